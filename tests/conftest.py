@@ -1,0 +1,61 @@
+"""Shared test set-up: 8 simulated CPU devices, free ports, child processes.
+
+The device count must be fixed before jax is imported, so it is set here at import time.
+"""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_DEVICES = 8
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(devices: int = 1, **extra: str) -> dict:
+    """Environment for a child process with `devices` simulated CPU devices.
+
+    Launcher/rank variables of the test process itself are removed so that a child starts
+    as a fresh single process unless `extra` says otherwise.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                        "MASTER_ADDR", "MASTER_PORT", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def write_script(tmp_path, name: str, body: str) -> str:
+    """Write a dedented Python script under tmp_path and return its path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def run_python(args, env=None, timeout=120, cwd=None) -> subprocess.CompletedProcess:
+    """Run `python args...` to completion (with a timeout) and capture its output."""
+    return subprocess.run([sys.executable, *args], env=env or child_env(), cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()

@@ -1,0 +1,34 @@
+"""jdp.eval_step: exact sums over all devices, padding masked out."""
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jdp
+from test_step import N, data, mlp_params
+
+
+def sq_error(state, batch):
+    h = jnp.tanh(batch["x"] @ state.params["w1"] + state.params["b1"])
+    return {"sq_err": ((h @ state.params["w2"] - batch["y"]) ** 2)[:, 0]}
+
+
+def test_masked_padding_counts_for_nothing():
+    real = data(N * 3 - 5)  # 19 real examples padded to 24 with garbage rows
+    padded = {k: np.concatenate([v, np.full((5, *v.shape[1:]), 1e6, v.dtype)])
+              for k, v in real.items()}
+    padded["mask"] = np.arange(N * 3) < N * 3 - 5
+    state = jdp.replicate(jdp.TrainState.create(apply_fn=None, params=mlp_params(),
+                                                tx=optax.sgd(0.1)))
+    totals = jdp.unreplicate(jdp.eval_step(sq_error)(state, jdp.shard(padded)))
+    p = mlp_params()
+    expected = ((np.tanh(real["x"] @ p["w1"] + p["b1"]) @ p["w2"] - real["y"]) ** 2).sum()
+    assert float(totals["count"]) == N * 3 - 5
+    np.testing.assert_allclose(float(totals["sq_err"]), expected, rtol=1e-5)
+
+
+def test_without_mask_every_example_counts():
+    batch = data(N * 2)
+    state = jdp.replicate(jdp.TrainState.create(apply_fn=None, params=mlp_params(),
+                                                tx=optax.sgd(0.1)))
+    totals = jdp.unreplicate(jdp.eval_step(sq_error)(state, jdp.shard(batch)))
+    assert float(totals["count"]) == N * 2
