@@ -10,21 +10,43 @@ with gradients averaged by `lax.pmean`::
     for batch in jdp.data.Loader(source, batch_size=256):
         state, metrics = step(state, batch)
 """
-from jdp.distributed import broadcast_from_primary, is_primary
+from jdp.distributed import (barrier, broadcast_from_primary, get_logger, initialize, is_primary,
+                             print0, process_count, process_index, shutdown)
 from jdp.state import TrainState, replicate, shard, unreplicate
 from jdp.step import AXIS, eval_step, reduce_gradients, train_step
+from jdp.spawn import ProcessExitedException, ProcessRaisedException, spawn
+from jdp import checkpoint
+from jdp.checkpoint import Checkpointer
+from jdp import data, datasets
+from jdp.data import DistributedSampler, Loader
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AXIS",
+    "Checkpointer",
+    "DistributedSampler",
+    "Loader",
+    "ProcessExitedException",
+    "ProcessRaisedException",
     "TrainState",
+    "barrier",
     "broadcast_from_primary",
+    "checkpoint",
+    "data",
+    "datasets",
     "eval_step",
+    "get_logger",
+    "initialize",
     "is_primary",
+    "print0",
+    "process_count",
+    "process_index",
     "reduce_gradients",
     "replicate",
     "shard",
+    "shutdown",
+    "spawn",
     "train_step",
     "unreplicate",
 ]

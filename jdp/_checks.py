@@ -71,7 +71,9 @@ def replicated_state(tree: Any, n: int) -> None:
 def signature(state: Any, tree: Any) -> tuple:
     """Hashable structure + shapes of the step's inputs: checks run once per signature."""
     leaves, treedef = jax.tree.flatten((state, tree))
-    return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+    # Attribute reads, not jnp.shape/result_type: this runs on every step.
+    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)))
+                          for x in leaves)
 
 
 def trace_per_device(device_fn: Callable, state: Any, tree: Any) -> None:

@@ -1,16 +1,396 @@
-"""Process-level helpers: which process this is, and moving values from process 0 to all."""
+"""The process group: `initialize()` from the environment, and process-level helpers.
+
+`jdp.initialize()` is jdp's `torch.distributed.init_process_group("env://")`: it reads the
+variables the launcher sets (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK,
+LOCAL_WORLD_SIZE) and calls `jax.distributed.initialize` with them, with timeouts short enough
+that a dead peer becomes an error within about a minute instead of JAX's five. A single
+process (no such variables, or WORLD_SIZE=1) is a quiet no-op, so one script runs unchanged
+with `python train.py` and under `python -m jdp.launch --nproc_per_node 4 train.py`.
+
+The rest are small helpers: `is_primary`, `process_index`, `process_count`, `barrier`,
+`print0`, `get_logger`, `broadcast_from_primary`, `shutdown`.
+"""
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
+from jax._src import distributed as _jax_distributed  # private: the job's record and client
+from jax._src import xla_bridge as _xla_bridge  # private: has a backend started yet?
 from jax.experimental import multihost_utils
+
+from jdp import _net
+from jdp._run import report_failure
+
+DEFAULT_INIT_TIMEOUT = 60
+DEFAULT_HEARTBEAT_TIMEOUT = 30
+# Long on purpose: a rank that finishes waits here for the others, and JAX aborts *every*
+# process when this runs out (measured), e.g. while process 0 still writes its last checkpoint.
+# Dead peers are caught by the heartbeat, not by this.
+DEFAULT_SHUTDOWN_TIMEOUT = 300
+_TIMEOUT_ENV = {"initialization_timeout": ("JDP_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT),
+                "heartbeat_timeout": ("JDP_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT),
+                "shutdown_timeout": ("JDP_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)}
+
+
+class _Plan(NamedTuple):
+    """What `initialize` hands to `jax.distributed.initialize`."""
+    coordinator: str | None          # "host:port"; None when JAX's cluster detection finds it
+    num_processes: int | None
+    process_id: int | None
+    local_device_ids: list[int] | None
+    cluster: str | None              # JAX cluster_detection_method ("auto" = JAX decides)
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
+               *, initialization_timeout: int | None = None, heartbeat_timeout: int | None = None,
+               shutdown_timeout: int | None = None,
+               cluster_detection_method: str | None = None) -> None:
+    """Join this process to the job's other processes (`jax.distributed.initialize`).
+
+    Call it first in `main`, before anything touches a JAX device. Each setting comes from,
+    in order: the argument; the launcher's (torchrun's) variables MASTER_ADDR:MASTER_PORT,
+    WORLD_SIZE, RANK, with LOCAL_RANK binding a process to its GPU when LOCAL_WORLD_SIZE > 1
+    (unless JAX_LOCAL_DEVICE_IDS is set); else JAX's own cluster detection, used only when
+    SLURM (srun, SLURM_NTASKS > 1) or Open MPI (mpirun, size > 1) is seen or when asked for
+    through `cluster_detection_method` / JDP_CLUSTER_DETECTION ("auto", "slurm", "ompi",
+    "mpi4py", "gketpu", ...). Nothing of the kind, or one process: a quiet no-op.
+
+    Calling it again is a no-op; calling it again with a different job raises RuntimeError.
+    On a multi-process job an uncaught exception prints its traceback and ends the process at
+    once with code 1, since JAX's exit handler would otherwise wait for the peers.
+
+    Args:
+        coordinator_address: "host:port" of process 0's coordinator service.
+        num_processes: number of processes in the job (WORLD_SIZE).
+        process_id: this process's index, 0 <= process_id < num_processes (RANK).
+        local_device_ids: local devices this process uses (GPU ids).
+        initialization_timeout: seconds to wait for all processes to join (JDP_INIT_TIMEOUT,
+            default 60). A coordinator that never answers raises TimeoutError.
+        heartbeat_timeout: seconds without a heartbeat before a process counts as dead and
+            JAX aborts the others (JDP_HEARTBEAT_TIMEOUT, default 30).
+        shutdown_timeout: seconds a finished process waits at exit for the others
+            (JDP_SHUTDOWN_TIMEOUT, default 300; JAX aborts every process when it runs out).
+        cluster_detection_method: JAX's cluster detection method to use (see above).
+
+    Raises:
+        ValueError: an inconsistent setting (RANK >= WORLD_SIZE, a bad or busy port, ...).
+        TimeoutError: the coordinator did not answer within `initialization_timeout`.
+        RuntimeError: called after JAX started its backend, or again for a different job.
+
+    Example:
+        >>> jdp.initialize()            # under `python -m jdp.launch --nproc_per_node 2 ...`
+        >>> jax.process_count()
+        2
+    """
+    env = os.environ
+    timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
+                (("initialization_timeout", initialization_timeout),
+                 ("heartbeat_timeout", heartbeat_timeout), ("shutdown_timeout", shutdown_timeout))}
+    plan = _plan(coordinator_address, num_processes, process_id, local_device_ids,
+                 cluster_detection_method, env)
+    if plan is None or _already_initialized(plan):
+        return
+    if _xla_bridge.backends_are_initialized():
+        raise RuntimeError("jdp.initialize() must run before anything uses a JAX device "
+                           "(jax.devices(), creating an array, jit, ...); call it first in main")
+    _connect(plan, **timeouts)
+    _install_fail_fast_excepthook()
+
+
+def _plan(coordinator_address, num_processes, process_id, local_device_ids,
+          cluster_detection_method, env: Mapping[str, str]) -> _Plan | None:
+    """Merge arguments and environment into one plan; None when there is nothing to join."""
+    if coordinator_address is None and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        port = _env_int(env, "MASTER_PORT", "the coordinator's TCP port (e.g. MASTER_PORT=29500)")
+        coordinator_address = _net.join_host_port(env["MASTER_ADDR"], port)
+    if num_processes is None and "WORLD_SIZE" in env:
+        num_processes = _env_int(env, "WORLD_SIZE", "the number of processes")
+    if process_id is None and "RANK" in env:
+        process_id = _env_int(env, "RANK", "this process's index, 0 <= RANK < WORLD_SIZE")
+    if coordinator_address is None and num_processes is None and process_id is None:
+        cluster = _detect_cluster(cluster_detection_method, env)
+        return None if cluster is None else _Plan(None, None, None, local_device_ids, cluster)
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"WORLD_SIZE / num_processes={num_processes} must be >= 1")
+    if num_processes == 1 and process_id in (None, 0):
+        return None
+    _check_complete(coordinator_address, num_processes, process_id)
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"RANK / process_id={process_id} is outside 0..{num_processes - 1} "
+                         f"(WORLD_SIZE={num_processes}); give each process a distinct RANK below "
+                         "WORLD_SIZE")
+    _net_split(coordinator_address)
+    return _Plan(coordinator_address, num_processes, process_id,
+                 _local_devices(local_device_ids, env), None)
+
+
+def _check_complete(coordinator_address, num_processes, process_id) -> None:
+    """Raise naming whichever of address / world size / rank is still missing."""
+    missing = [name for name, value in (("MASTER_ADDR and MASTER_PORT (coordinator_address)",
+                                         coordinator_address),
+                                        ("WORLD_SIZE (num_processes)", num_processes),
+                                        ("RANK (process_id)", process_id)) if value is None]
+    if missing:
+        raise ValueError(f"a multi-process job needs {', '.join(missing)} as well; set them, or "
+                         "start it with `python -m jdp.launch --nproc_per_node N script.py`")
+
+
+def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None:
+    """Explicit ids; else one GPU per process (LOCAL_RANK) when several share a node."""
+    if local_device_ids is not None:
+        return [int(i) for i in local_device_ids]
+    if "JAX_LOCAL_DEVICE_IDS" in env or "LOCAL_RANK" not in env:
+        return None  # JAX reads JAX_LOCAL_DEVICE_IDS itself
+    local_rank = _env_int(env, "LOCAL_RANK", "this process's index on its node")
+    local_world = _env_int(env, "LOCAL_WORLD_SIZE", "processes per node") if (
+        "LOCAL_WORLD_SIZE" in env) else 1
+    if not 0 <= local_rank < max(local_world, 1):
+        raise ValueError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1} "
+                         f"(LOCAL_WORLD_SIZE={local_world}); set LOCAL_RANK below LOCAL_WORLD_SIZE")
+    # Only sets jax_cuda/rocm_visible_devices: one GPU per process, harmless on CPU.
+    return [local_rank] if local_world > 1 else None
+
+
+def _detect_cluster(method: str | None, env: Mapping[str, str]) -> str | None:
+    """The JAX cluster detection method to use, or None for a plain single process.
+
+    JAX's own detection is not consulted blindly: some of it (TPU metadata, Kubernetes)
+    makes network calls, and a plain `python train.py` must not try to join anything.
+    """
+    method = method or env.get("JDP_CLUSTER_DETECTION") or None
+    if method:
+        return method
+    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")) and (
+            _env_int(env, "SLURM_NTASKS", "the number of SLURM tasks") > 1):
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env and _env_int(
+            env, "OMPI_COMM_WORLD_SIZE", "the Open MPI world size") > 1:
+        return "ompi"
+    return None
+
+
+def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int,
+             shutdown_timeout: int) -> None:
+    """Check the coordinator port, then call `jax.distributed.initialize`."""
+    bind, timeout = None, initialization_timeout
+    if plan.coordinator is not None:
+        host, port = _net_split(plan.coordinator)
+        if plan.process_id == 0:
+            problem = _net.port_problem(host, port)
+            if problem:
+                raise ValueError(problem)
+            bind = plan.coordinator  # this interface only, not every interface of the host
+        else:
+            timeout = _await_coordinator(host, port, plan, initialization_timeout)
+    if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
+        # The preemption service catches SIGTERM (a child outlived it by > 4 s): the launcher
+        # stops ranks with SIGTERM, so it must stay off unless the user asks for it.
+        jax.config.update("jax_enable_preemption_service", False)
+    hint = _abort_hint(plan, timeout) if plan.coordinator is not None else None
+    try:
+        jax.distributed.initialize(
+            coordinator_address=plan.coordinator, num_processes=plan.num_processes,
+            process_id=plan.process_id, local_device_ids=plan.local_device_ids,
+            cluster_detection_method=None if plan.cluster == "auto" else plan.cluster,
+            initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout,
+            shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
+    finally:
+        if hint is not None:
+            hint.cancel()
+
+
+def _await_coordinator(host: str, port: int, plan: _Plan, timeout: int) -> int:
+    """Wait for process 0's coordinator to accept connections; return the time left.
+
+    JAX aborts the process (SIGABRT, C++ stack dump) when it cannot reach the coordinator
+    within its timeout; this turns that case into a TimeoutError with the address in it.
+    """
+    start = time.monotonic()
+    if not _net.wait_for_port(host, port, timeout):
+        raise TimeoutError(
+            f"process {plan.process_id} could not reach the coordinator at {plan.coordinator} "
+            f"within {timeout} s; check that process 0 runs and that MASTER_ADDR/MASTER_PORT "
+            "name its address and port (or raise JDP_INIT_TIMEOUT)")
+    return max(1, int(timeout - (time.monotonic() - start) + 0.999))
+
+
+def _abort_hint(plan: _Plan, timeout: int) -> threading.Timer:
+    """A timer that explains what went wrong when JAX's join times out.
+
+    JAX then aborts the process (SIGABRT, measured ~5 s after `timeout`) with a C++ message
+    that does not say which setting to check.
+    """
+    message = (f"jdp: process {plan.process_id} has waited {timeout} s for all "
+               f"{plan.num_processes} processes to join at {plan.coordinator}; JAX will abort "
+               "shortly. Check that every rank was started with the same MASTER_ADDR, "
+               "MASTER_PORT and WORLD_SIZE, or raise JDP_INIT_TIMEOUT.")
+    timer = threading.Timer(timeout, print, (message,), {"file": sys.stderr, "flush": True})
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _already_initialized(plan: _Plan) -> bool:
+    """True when jax.distributed already runs this job; RuntimeError when it runs another."""
+    if not jax.distributed.is_initialized():
+        return False
+    state = _jax_distributed.global_state
+    current = (state.coordinator_address, state.num_processes, state.process_id)
+    wanted = (plan.coordinator, plan.num_processes, plan.process_id)
+    if plan.cluster is None and current != wanted:
+        raise RuntimeError(
+            f"jdp.initialize() was already called for coordinator={current[0]}, num_processes="
+            f"{current[1]}, process_id={current[2]}; it cannot switch to {wanted} within one "
+            "process (call it once, or start a new process)")
+    return True
+
+
+def _install_fail_fast_excepthook() -> None:
+    """Make an uncaught exception print its traceback and exit at once with code 1.
+
+    Without it the process would sit in JAX's exit handler until every peer exits (up to the
+    shutdown timeout) and then die by SIGABRT, hiding the real error. Interactive sessions
+    keep Python's behaviour.
+    """
+    if getattr(sys.excepthook, "_jdp_previous", None) or hasattr(sys, "ps1"):
+        return
+    previous = sys.excepthook
+
+    def fail_fast(exc_type, exc, tb):
+        report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
+
+    fail_fast._jdp_previous = previous  # type: ignore[attr-defined]
+    sys.excepthook = fail_fast
+
+
+def shutdown() -> None:
+    """Leave the process group (like `torch.distributed.destroy_process_group()`).
+
+    Waits, up to the shutdown timeout, until every process has called it. Optional: JAX
+    already calls it at exit. Safe to call twice and on a single process. After it, JAX
+    cannot be initialised again in this process.
+
+    Example:
+        >>> jdp.shutdown()
+    """
+    hook = sys.excepthook
+    if getattr(hook, "_jdp_previous", None):
+        sys.excepthook = hook._jdp_previous  # type: ignore[attr-defined]
+    jax.distributed.shutdown()
 
 
 def is_primary() -> bool:
     """True on process 0 (the one that writes checkpoints and prints)."""
     return jax.process_index() == 0
+
+
+def process_index() -> int:
+    """This process's index in the job, 0..process_count()-1 (torch's `get_rank()`)."""
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """The number of processes in the job (torch's `get_world_size()`)."""
+    return jax.process_count()
+
+
+def barrier(name: str = "jdp.barrier", timeout_s: float = 300.0) -> None:
+    """Wait until every process reaches the barrier `name`, or raise after `timeout_s`.
+
+    Unlike a device collective it cannot hang forever: a process that is dead or stuck
+    elsewhere turns into a TimeoutError. All processes must pass the same names in the same
+    order. A single process returns at once.
+
+    Args:
+        name: the barrier's id; the same name may be used again once all have passed.
+        timeout_s: seconds to wait for the slowest process.
+
+    Example:
+        >>> if jdp.is_primary(): prepare_dataset()
+        >>> jdp.barrier("dataset-ready")
+    """
+    client = _jax_distributed.global_state.client
+    if client is None:
+        return
+    try:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
+    except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
+        raise TimeoutError(f"barrier {name!r} timed out after {timeout_s} s on process "
+                           f"{jax.process_index()}: another process is slow, stuck or dead (see "
+                           "its log), or did not call barrier with this name") from None
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """`print` on process 0 only (flushed), so a message appears once per job.
+
+    Example:
+        >>> jdp.print0(f"epoch {epoch}: loss {loss:.3f}")
+    """
+    if _rank_hint() == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+class _RankFilter(logging.Filter):
+    """Stamps records with the rank; on ranks > 0 lets only warnings and errors through."""
+
+    def __init__(self, all_ranks: bool):
+        super().__init__()
+        self.all_ranks = all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = _rank_hint()
+        return self.all_ranks or record.rank == 0 or record.levelno >= logging.WARNING
+
+
+def get_logger(name: str = "jdp", level: int = logging.INFO,
+               all_ranks: bool = False) -> logging.Logger:
+    """A logger whose lines carry the rank, INFO from process 0 only (like accelerate's).
+
+    Safe to create at import time, before `initialize`: the rank is looked up per record.
+
+    Args:
+        name: logger name.
+        level: level of the logger.
+        all_ranks: let every process log at `level`, not only process 0 (warnings and errors
+            always come from every process).
+
+    Example:
+        >>> log = jdp.get_logger(__name__)
+        >>> log.info("step %d loss %.3f", step, loss)      # "... [rank0] INFO ...: step 10 ..."
+    """
+    logger = logging.getLogger(name)
+    for f in [f for f in logger.filters if isinstance(f, _RankFilter)]:
+        logger.removeFilter(f)
+    logger.addFilter(_RankFilter(all_ranks))
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
+    return logger
+
+
+def _rank_hint() -> int:
+    """This process's rank without starting a JAX backend (which would block `initialize`)."""
+    if jax.distributed.is_initialized():
+        return jax.process_index()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def broadcast_from_primary(tree: Any) -> Any:
@@ -29,3 +409,39 @@ def broadcast_from_primary(tree: Any) -> Any:
     received = multihost_utils.broadcast_one_to_all(sendable)
     out = [np.asarray(r).astype(h.dtype) for r, h in zip(received, host)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _timeout(value: int | None, env_name: str, default: int, env: Mapping[str, str]) -> int:
+    """A timeout in whole seconds from the argument, else `env_name`, else `default`."""
+    source = "argument" if value is not None else env_name
+    if value is None:
+        value = env.get(env_name, default)
+    try:
+        seconds = int(value)
+    except (TypeError, ValueError):
+        seconds = -1
+    if seconds < 1 or (isinstance(value, float) and value != seconds):
+        raise ValueError(f"timeout {source}={value!r} must be a whole number of seconds >= 1 "
+                         f"(JAX takes integers), e.g. {env_name}={default}")
+    return seconds
+
+
+def _env_int(env: Mapping[str, str], name: str, meaning: str) -> int:
+    """Integer environment variable `name`; ValueError naming it and what it means."""
+    raw = env[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; it must be {meaning}") from None
+    if value < 0:
+        raise ValueError(f"{name}={value} is negative; it must be {meaning}")
+    return value
+
+
+def _net_split(address: str) -> tuple[str, int]:
+    """("host", port) from "host:port" / "[v6]:port"; ValueError naming a malformed one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"coordinator address {address!r} is not 'host:port' with a port in "
+                         "1..65535; set MASTER_ADDR and MASTER_PORT (e.g. 127.0.0.1 and 29500)")
+    return host.strip("[]"), int(port)

@@ -59,3 +59,66 @@ def run_python(args, env=None, timeout=120, cwd=None) -> subprocess.CompletedPro
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+# --- multi-process jobs (launcher, spawn): tag every process, find leftovers ---------------
+
+TAG_ENV = "JDP_TEST_TAG"
+
+
+def job_env(tag: str, devices: int = 1, **extra: str) -> dict:
+    """child_env plus a tag that every process of the job inherits (see job_processes)."""
+    return child_env(devices=devices, **{TAG_ENV: tag}, **extra)
+
+
+def job_processes(tag: str) -> list:
+    """Live processes (not zombies) whose environment carries JDP_TEST_TAG=tag."""
+    import psutil
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(TAG_ENV) == tag:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def wait_until_gone(tag: str, timeout: float) -> float:
+    """Seconds until no process of the job remains; fails the test after `timeout`."""
+    import time
+    start = time.monotonic()
+    while job_processes(tag):
+        if time.monotonic() - start > timeout:
+            left = [(p.pid, p.cmdline()) for p in job_processes(tag)]
+            for p in job_processes(tag):
+                p.kill()
+            pytest.fail(f"processes of the job still alive after {timeout} s: {left}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def start_launcher(args, env: dict, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    """Start `python -m jdp.launch args...` (text pipes unless files are given)."""
+    return subprocess.Popen([sys.executable, "-m", "jdp.launch", *map(str, args)], env=env,
+                            cwd=REPO, stdout=stdout, stderr=stderr, text=True)
+
+
+def wait_for_text(path, text: str, count: int, timeout: float) -> None:
+    """Wait until file `path` contains `text` at least `count` times."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and open(path).read().count(text) >= count:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"{path} did not show {text!r} {count} times within {timeout} s")
+
+
+@pytest.fixture
+def tag() -> str:
+    """A fresh job tag; at the end of the test no process carrying it may remain."""
+    import uuid
+    value = uuid.uuid4().hex
+    yield value
+    wait_until_gone(value, timeout=5.0)

@@ -1,0 +1,84 @@
+"""TCP port checks for the coordinator: pick a free port, test one, wait for one to open.
+
+JAX handles a bad coordinator port badly: a port that is already taken makes process 0 die
+with SIGSEGV, and an unreachable coordinator makes the other processes abort (SIGABRT) with a
+C++ stack dump. jdp checks the port itself first, so the user gets a one-line error instead.
+This module imports nothing heavy: the launcher uses it before any child starts.
+"""
+from __future__ import annotations
+
+import errno
+import socket
+import time
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on right now (the OS picks it)."""
+    family, sockaddr = _resolve(host, 0)
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(sockaddr)
+        return s.getsockname()[1]
+
+
+def join_host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC wants it: IPv6 literals go in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def port_problem(host: str, port: int, what: str = "MASTER_PORT") -> str | None:
+    """Why the coordinator could not listen on `host:port` here, or None if it could.
+
+    The test is a real bind with SO_REUSEADDR (as gRPC does), so ports in TIME_WAIT count as
+    free but a port with a listener does not.
+
+    Args:
+        host: the address process 0 binds (MASTER_ADDR).
+        port: the coordinator port.
+        what: the name of the setting, used in the message.
+
+    Returns:
+        A one-line message naming the value and the fix, or None when the port is usable.
+    """
+    try:
+        family, sockaddr = _resolve(host, port)
+    except OSError as e:
+        return (f"MASTER_ADDR={host!r} does not resolve ({e}); set it to an address or host "
+                "name of the machine that runs process 0")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (f"{what}={port} is already in use on {host}; choose a free port (or "
+                        "leave it out on a single node to get one) or stop the process holding it")
+            if e.errno == errno.EADDRNOTAVAIL:
+                return (f"MASTER_ADDR={host!r} is not an address of this machine, but process 0 "
+                        "runs here and must listen on it; use this machine's address")
+            return f"cannot listen on {join_host_port(host, port)} ({e}); choose another {what}"
+    return None
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
+    """Try to connect to `host:port` until it accepts or `timeout_s` passes.
+
+    Returns:
+        True as soon as a TCP connection succeeds, False at the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0))):
+                return True
+        except OSError:
+            if time.monotonic() + 0.1 >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+def _resolve(host: str, port: int) -> tuple[int, tuple]:
+    """(address family, sockaddr) of the first TCP address of `host`."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port,
+                                                   type=socket.SOCK_STREAM)[0]
+    return family, sockaddr

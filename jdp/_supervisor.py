@@ -1,0 +1,276 @@
+"""The one supervise loop behind `jdp.launch` and `jdp.spawn`: start ranks, watch, fail fast.
+
+Every rank is a subprocess in its own session (process group), so a signal to the group
+reaches anything the rank started too. A waiter thread per rank reports its exit the moment
+it happens, in order (and a rank whose collective lost a peer lingers a moment before leaving,
+see jdp/_run.py), so the failure reported is the first one, the cause, not its echo in the
+peers. On the first non-zero exit the loop stops every other rank
+(SIGTERM, SIGKILL after a short grace period) and reports the failed rank's exit code or
+signal and the tail of its stderr. SIGINT/SIGTERM to the supervisor are forwarded to every
+rank the same way. Ranks are started through jdp/_run.py, which on Linux sets
+PR_SET_PDEATHSIG, so a rank dies with the supervisor even if that is SIGKILLed.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Mapping, NamedTuple, Sequence
+
+from jdp import _run
+
+GRACE_S = 3.0        # SIGTERM -> SIGKILL; keeps "all gone" well under 5 s
+POLL_S = 0.05        # how often the loop looks at signals and deadlines
+TAIL_LINES = 20      # lines of the failed rank's stderr in the summary
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "JDP_RESTART_COUNT")
+_HOST_DEVICES = "--xla_force_host_platform_device_count"
+_console_lock = threading.Lock()
+
+
+class RankSpec(NamedTuple):
+    """How to start one rank: its global rank, command line and full environment."""
+    rank: int
+    cmd: Sequence[str]
+    env: Mapping[str, str]
+
+
+class Output(NamedTuple):
+    """Where ranks' output goes: the console (each line prefixed `[rankK]: `) and/or files."""
+    logdir: str | None = None    # DIR/rank.K/stdout and DIR/rank.K/stderr when set
+    console: bool = True         # echo to our own stdout/stderr
+    append: bool = False         # append to the log files (restarts) instead of truncating
+
+
+class Outcome(NamedTuple):
+    """How a supervised run ended."""
+    failed_rank: int | None      # the first rank to exit non-zero; None if none did
+    returncode: int              # that rank's Popen return code (negative: killed by signal)
+    tail: list                   # last stderr lines of that rank
+    signal: int | None = None    # a signal that made the supervisor stop everything
+    timed_out: bool = False      # the run outlived its time limit and was stopped
+    seconds: float = 0.0         # from the start to the failure, signal or deadline
+
+
+class _Rank(NamedTuple):
+    spec: RankSpec
+    proc: subprocess.Popen
+    tail: collections.deque
+    threads: list
+
+
+def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,
+             local_world_size: int, node_rank: int, master_addr: str, master_port: int,
+             restart_count: int = 0, devices_per_process: int | None = None) -> dict:
+    """The environment of one rank: `base` plus the torchrun-style variables jdp.initialize reads.
+
+    Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+    JDP_RESTART_COUNT and PYTHONUNBUFFERED=1; with `devices_per_process`, XLA_FLAGS gets
+    --xla_force_host_platform_device_count=k (simulated CPU devices).
+    """
+    env = {k: v for k, v in base.items() if k != _run.ERROR_FILE_ENV}
+    values = (rank, local_rank, world_size, local_world_size, node_rank, master_addr,
+              master_port, restart_count)
+    env.update({k: str(v) for k, v in zip(RANK_ENV, values)})
+    env["PYTHONUNBUFFERED"] = "1"
+    if devices_per_process is not None:
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES)]
+        env["XLA_FLAGS"] = " ".join([*flags, f"{_HOST_DEVICES}={devices_per_process}"])
+    return env
+
+
+def run(specs: Sequence[RankSpec], output: Output = Output(), *, grace_s: float = GRACE_S,
+        timeout_s: float | None = None) -> Outcome:
+    """Start every rank, supervise them to the end, and leave no process behind.
+
+    SIGINT and SIGTERM received meanwhile (main thread only) are forwarded to every rank.
+
+    Args:
+        specs: one RankSpec per rank.
+        output: where the ranks' stdout/stderr go.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
+        timeout_s: stop everything after this many seconds (None: no limit).
+
+    Returns:
+        An Outcome: the first failed rank and its code, or the signal / timeout that ended it.
+    """
+    received: list = []
+    restore = _catch_signals(received)
+    ranks: list = []
+    start = time.monotonic()
+    try:
+        events: queue.Queue = queue.Queue()
+        for spec in specs:
+            ranks.append(_start(spec, output, events))
+        outcome = _supervise(ranks, events, received, grace_s, timeout_s, start)
+    finally:
+        _stop(ranks, signal.SIGTERM, grace_s)
+        restore()
+        for r in ranks:
+            for t in r.threads:
+                t.join(timeout=1.0)
+    return outcome._replace(tail=list(outcome.tail))
+
+
+def _supervise(ranks: list, events: queue.Queue, received: list, grace_s: float,
+               timeout_s: float | None, start: float) -> Outcome:
+    """The loop: wait for exits; on the first failure, signal or deadline, stop all ranks."""
+    running = {r.spec.rank for r in ranks}
+    by_rank = {r.spec.rank: r for r in ranks}
+    deadline = None if timeout_s is None else start + timeout_s
+    while running:
+        now = time.monotonic()
+        if received:
+            _stop(ranks, received[0], grace_s)
+            return Outcome(None, 0, [], signal=received[0], seconds=now - start)
+        if deadline is not None and now > deadline:
+            _stop(ranks, signal.SIGTERM, grace_s)
+            return Outcome(None, 0, [], timed_out=True, seconds=now - start)
+        try:
+            rank, code = events.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        running.discard(rank)
+        if code != 0:
+            seconds = time.monotonic() - start
+            _stop(ranks, signal.SIGTERM, grace_s)
+            failed = by_rank[rank]
+            for t in failed.threads:
+                t.join(timeout=1.0)   # the rest of its stderr, for the tail
+            return Outcome(rank, code, failed.tail, seconds=seconds)
+    return Outcome(None, 0, [], seconds=time.monotonic() - start)
+
+
+def _start(spec: RankSpec, output: Output, events: queue.Queue) -> _Rank:
+    """Start one rank in its own session with piped output, plus its pump and waiter threads."""
+    files = _open_logs(output, spec.rank)
+    env = {**spec.env, _run.SUPERVISOR_ENV: str(os.getpid())}   # jdp/_run.py: die with us
+    proc = subprocess.Popen(list(spec.cmd), env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    prefix = f"[rank{spec.rank}]: "
+    threads = [
+        threading.Thread(target=_pump, args=(proc.stdout, files[0], output.console, "stdout",
+                                             prefix, None), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, files[1], output.console, "stderr",
+                                             prefix, tail), daemon=True),
+        threading.Thread(target=lambda: events.put((spec.rank, proc.wait())), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    return _Rank(spec, proc, tail, threads[:2])
+
+
+def _open_logs(output: Output, rank: int) -> tuple:
+    """(stdout file, stderr file) for a rank under output.logdir, or (None, None)."""
+    if output.logdir is None:
+        return None, None
+    directory = os.path.join(output.logdir, f"rank.{rank}")
+    os.makedirs(directory, exist_ok=True)
+    mode = "a" if output.append else "w"
+    return tuple(open(os.path.join(directory, name), mode, encoding="utf-8")
+                 for name in ("stdout", "stderr"))
+
+
+def _pump(pipe: IO[bytes], file: IO[str] | None, console: bool, stream: str, prefix: str,
+          tail: collections.deque | None) -> None:
+    """Copy a rank's output line by line to its log file and/or our console (prefixed).
+
+    Reads to the end even when a destination fails, so a rank never blocks on a full pipe.
+    """
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            line = line if line.endswith("\n") else line + "\n"
+            if tail is not None:
+                tail.append(line.rstrip("\n"))
+            if file is not None:
+                file = _write(file, line)
+            if console:
+                target = sys.stdout if stream == "stdout" else sys.stderr
+                with _console_lock:
+                    console = _write(target, prefix + line) is not None
+    if file is not None:
+        file.close()
+
+
+def _write(target: IO[str], text: str) -> IO[str] | None:
+    """Write and flush `text`; None when `target` is closed or broken (stop writing to it)."""
+    try:
+        target.write(text)
+        target.flush()
+        return target
+    except (OSError, ValueError):
+        return None
+
+
+def _stop(ranks: list, sig: int, grace_s: float) -> None:
+    """Send `sig` to every rank's process group; SIGKILL the groups after `grace_s`."""
+    for r in ranks:
+        if r.proc.returncode is None:
+            _signal_group(r.proc.pid, sig)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(r.proc.returncode is None for r in ranks):
+        time.sleep(0.01)
+    for r in ranks:           # also grandchildren that outlived their rank
+        _signal_group(r.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and any(r.proc.returncode is None for r in ranks):
+        time.sleep(0.01)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal the process group led by `pid` (the rank and everything it started)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _catch_signals(received: list):
+    """Record SIGINT/SIGTERM in `received` instead of dying; return a function that undoes it."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: received.append(signum))
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return restore
+
+
+def exit_status(returncode: int) -> int:
+    """A shell-style exit status: the code itself, or 128+N for death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """'exit code 3' or 'signal SIGKILL (exit status 137)'."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"signal {name} (exit status {exit_status(returncode)})"
+
+
+def summary(outcome: Outcome, who: str, world: int) -> str:
+    """Multi-line report of a failed run: rank, code or signal, and its stderr tail."""
+    lines = [f"{who}: rank {outcome.failed_rank} failed with {describe_exit(outcome.returncode)}"
+             f" after {outcome.seconds:.1f} s; stopped the other {world - 1} rank(s)."]
+    if outcome.tail:
+        lines.append(f"{who}: last {len(outcome.tail)} line(s) of rank {outcome.failed_rank}'s "
+                     "stderr:")
+        lines += [f"  {line}" for line in outcome.tail]
+    else:
+        lines.append(f"{who}: rank {outcome.failed_rank} wrote nothing to stderr.")
+    return "\n".join(lines)

@@ -1,0 +1,209 @@
+"""The launcher: `python -m jdp.launch` / `jdp-launch`, jdp's torchrun.
+
+It starts one process per local rank with the environment `jdp.initialize()` reads, copies
+their output (prefixed with the rank, or into per-rank log files), and stops every rank as soon
+as one fails, exiting with that rank's own exit code. The help text below is the manual.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+from typing import Sequence
+
+from jdp import _net, _run, _supervisor
+
+RUNNER = _run.__file__   # run by path: see jdp/_run.py
+WHO = "jdp.launch"
+
+DESCRIPTION = """\
+Start N processes of a training script on this node, one per GPU (or per group of simulated
+CPU devices), as torchrun does, and watch them.
+
+  python -m jdp.launch --nproc_per_node 4 train.py --epochs 3
+  jdp-launch --nnodes 2 --node_rank 0 --master_addr 10.0.0.1 --master_port 29500 \\
+             --nproc_per_node 8 train.py            # and --node_rank 1 on the second node
+
+The script calls jdp.initialize(), which reads the variables below.
+"""
+
+EPILOG = """\
+environment of each process:
+  RANK               global rank: node_rank * nproc_per_node + LOCAL_RANK
+  LOCAL_RANK         rank on this node, 0..nproc_per_node-1 (jdp.initialize binds the process
+                     to GPU LOCAL_RANK when LOCAL_WORLD_SIZE > 1)
+  WORLD_SIZE         nnodes * nproc_per_node
+  LOCAL_WORLD_SIZE   nproc_per_node
+  NODE_RANK          --node_rank
+  MASTER_ADDR        --master_addr: where process 0 runs its coordinator
+  MASTER_PORT        --master_port, or a free port chosen here on a single node
+  JDP_RESTART_COUNT  0 on the first attempt, k on the k-th restart (--max_restarts)
+  PYTHONUNBUFFERED   1, so output arrives line by line
+  XLA_FLAGS          with --devices_per_process k: --xla_force_host_platform_device_count=k
+  jdp.initialize also reads JDP_INIT_TIMEOUT (60), JDP_HEARTBEAT_TIMEOUT (30) and
+  JDP_SHUTDOWN_TIMEOUT (300) seconds from the environment you launch with.
+
+output:
+  Without --logdir, each line a process writes is printed here prefixed with its rank
+  ("[rank1]: ..."): stdout to stdout, stderr to stderr. With --logdir DIR it also goes to
+  DIR/rank.K/stdout and DIR/rank.K/stderr (K = global rank; restarts append to them), and
+  with --redirect_stdout_and_stderr only there.
+
+failures:
+  When a process exits with a non-zero code or dies by a signal, all others are stopped at
+  once (SIGTERM, then SIGKILL 3 s later). The launcher then prints which rank failed, with
+  its exit code or signal and the last 20 lines of its stderr, and exits with that rank's
+  exit code (128+N for death by signal N). Python scripts run through a small wrapper that
+  makes a failing rank exit at once with its own code (JAX's exit handler would otherwise
+  wait for the other ranks). SIGINT/SIGTERM to the launcher are passed on to every process
+  (then SIGKILL after 3 s) and it exits with 128+N. Every process also dies if the launcher
+  is killed (Linux).
+
+exit status: 0 when every process exits 0; the failed rank's status; 2 for bad arguments.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; its help text is the launcher's manual."""
+    p = argparse.ArgumentParser(prog="python -m jdp.launch", description=DESCRIPTION,
+                                epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1, metavar="N",
+                   help="processes to start on this node (default 1); usually one per GPU")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M",
+                   help="number of nodes (machines) in the job (default 1)")
+    p.add_argument("--node_rank", "--node-rank", type=int, default=0, metavar="R",
+                   help="index of this node, 0..M-1 (default 0); node 0 hosts the coordinator")
+    p.add_argument("--master_addr", "--master-addr", default="127.0.0.1", metavar="A",
+                   help="address of node 0, where process 0 listens (default 127.0.0.1)")
+    p.add_argument("--master_port", "--master-port", type=int, default=None, metavar="P",
+                   help="coordinator port on node 0; required with --nnodes > 1, chosen free\n"
+                        "(and fresh for each restart) when left out on a single node")
+    p.add_argument("--logdir", "--log-dir", default=None, metavar="DIR",
+                   help="also write each process's output to DIR/rank.K/{stdout,stderr}")
+    p.add_argument("--redirect_stdout_and_stderr", action="store_true",
+                   help="with --logdir: write output only to the files, not to the console")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="treat the script as a Python module name, as `python -m` does")
+    p.add_argument("--no_python", "--no-python", action="store_true",
+                   help="run the script as an executable, without `python -u` in front")
+    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="K",
+                   help="after a failure, stop all processes and start all again, up to K times\n"
+                        "(default 0); each node restarts its own processes")
+    p.add_argument("--devices_per_process", type=int, default=None, metavar="k",
+                   help="give each process k simulated CPU devices (testing without GPUs)")
+    p.add_argument("script", help="the training script (or module with -m, program with\n"
+                                  "--no_python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments passed on to the script")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; bad values exit with status 2 before anything starts."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _problem(args)
+    if problem:
+        parser.error(problem)
+    return args
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    """The first thing wrong with the arguments, as a one-line message with the fix."""
+    if args.nproc_per_node < 1:
+        return f"--nproc_per_node {args.nproc_per_node}: must be >= 1 (processes on this node)"
+    if args.nnodes < 1:
+        return f"--nnodes {args.nnodes}: must be >= 1"
+    if not 0 <= args.node_rank < args.nnodes:
+        return (f"--node_rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes "
+                f"{args.nnodes}); number the nodes 0..{args.nnodes - 1}")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        return f"--devices_per_process {args.devices_per_process}: must be >= 1"
+    if args.max_restarts < 0:
+        return f"--max_restarts {args.max_restarts}: must be >= 0"
+    if args.redirect_stdout_and_stderr and args.logdir is None:
+        return "--redirect_stdout_and_stderr needs --logdir DIR (where the output goes)"
+    if args.nnodes > 1 and args.master_port is None:
+        return (f"--master_port is required with --nnodes {args.nnodes}: every node must use "
+                "the same port (e.g. --master_port 29500)")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        return f"--master_port {args.master_port}: must be in 1..65535"
+    return _script_problem(args) or _port_problem(args)
+
+
+def _script_problem(args: argparse.Namespace) -> str | None:
+    """A missing script or program (modules are checked by Python in each process)."""
+    if args.module:
+        return None
+    if args.no_python:
+        if shutil.which(args.script) is None:
+            return f"program {args.script!r} is not an executable file or on PATH"
+        return None
+    if not os.path.isfile(args.script):
+        return (f"script {args.script!r} does not exist (relative to {os.getcwd()}); check the "
+                "path, or pass -m for a module")
+    return None
+
+
+def _port_problem(args: argparse.Namespace) -> str | None:
+    """On node 0 with a given port: is it free? (JAX would crash on a busy one.)"""
+    if args.node_rank != 0 or args.master_port is None:
+        return None
+    problem = _net.port_problem(args.master_addr, args.master_port, what="--master_port")
+    return problem.replace("MASTER_ADDR=", "--master_addr ") if problem else None
+
+
+def command(args: argparse.Namespace) -> list:
+    """The command line of one process: the script (or program) through jdp's runner."""
+    if args.no_python:
+        return [sys.executable, RUNNER, "--exec", args.script, *args.script_args]
+    target = ["-m", args.script] if args.module else [args.script]
+    return [sys.executable, "-u", RUNNER, *target, *args.script_args]
+
+
+def rank_specs(args: argparse.Namespace, port: int, attempt: int) -> list:
+    """One RankSpec per local process, each with its environment built by rank_env."""
+    world = args.nnodes * args.nproc_per_node
+    specs = []
+    for local in range(args.nproc_per_node):
+        rank = args.node_rank * args.nproc_per_node + local
+        env = _supervisor.rank_env(
+            os.environ, rank=rank, local_rank=local, world_size=world,
+            local_world_size=args.nproc_per_node, node_rank=args.node_rank,
+            master_addr=args.master_addr, master_port=port, restart_count=attempt,
+            devices_per_process=args.devices_per_process)
+        specs.append(_supervisor.RankSpec(rank, command(args), env))
+    return specs
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the job, restarting it up to args.max_restarts times; return the exit status."""
+    world = args.nnodes * args.nproc_per_node
+    for attempt in range(args.max_restarts + 1):
+        port = args.master_port or _net.free_port(args.master_addr)
+        output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
+                                    append=attempt > 0)
+        outcome = _supervisor.run(rank_specs(args, port, attempt), output)
+        if outcome.signal is not None:
+            print(f"{WHO}: received {signal.Signals(outcome.signal).name}; stopped all "
+                  f"{args.nproc_per_node} process(es).", file=sys.stderr, flush=True)
+            return 128 + outcome.signal
+        if outcome.failed_rank is None:
+            return 0
+        print(_supervisor.summary(outcome, WHO, min(world, args.nproc_per_node)),
+              file=sys.stderr, flush=True)
+        if attempt < args.max_restarts:
+            print(f"{WHO}: restarting all processes (restart {attempt + 1} of "
+                  f"{args.max_restarts}).", file=sys.stderr, flush=True)
+    return _supervisor.exit_status(outcome.returncode)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of `python -m jdp.launch` and the `jdp-launch` console script."""
+    sys.exit(launch(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""`jdp.spawn`: run `fn(rank, *args)` in N fresh processes, like `torch.multiprocessing.spawn`.
+
+The launcher's job from inside Python (a test, a notebook, a script that wants to own its
+processes): each rank is a fresh interpreter (never a fork: JAX is not fork-safe) with the
+launcher's environment, `jdp.initialize()` already done, and is watched by the same supervise
+loop as `jdp.launch`. A failing rank stops the others and makes the parent raise with that
+rank's traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing.spawn
+import os
+import pickle
+import signal
+import sys
+import tempfile
+from typing import Any, Callable, Sequence
+
+from jdp import _net, _run, _supervisor
+
+WHO = "jdp.spawn"
+
+
+class ProcessException(RuntimeError):
+    """A spawned rank failed; `rank` and `exit_code` (negative: killed by that signal) say how."""
+
+    def __init__(self, message: str, rank: int, exit_code: int):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+
+
+class ProcessRaisedException(ProcessException):
+    """A spawned rank raised; the message ends with its traceback (also in `.traceback`)."""
+
+    def __init__(self, message: str, rank: int, exit_code: int, traceback: str):
+        super().__init__(message, rank, exit_code)
+        self.traceback = traceback
+
+
+class ProcessExitedException(ProcessException):
+    """A spawned rank exited non-zero or died by a signal without raising a Python exception."""
+
+
+def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
+          devices_per_process: int | None = None, timeout: float | None = None) -> None:
+    """Run `fn(rank, *args)` in `nprocs` new processes that form one jdp job; wait for all.
+
+    Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR
+    (127.0.0.1) and a free MASTER_PORT, runs `jdp.initialize()`, then calls `fn`. Its output
+    is copied to ours, each line prefixed with `[rankK]: `. `fn` must be importable by a new
+    process: a module-level function (from the main script too, when the `jdp.spawn` call is
+    under `if __name__ == "__main__":`), with picklable `args`. Return values are dropped.
+
+    Args:
+        fn: called as `fn(rank, *args)` in every process.
+        args: further positional arguments for `fn`.
+        nprocs: number of processes (the world size).
+        devices_per_process: give each process this many simulated CPU devices (sets XLA_FLAGS
+            before jax is imported there); None keeps this process's XLA_FLAGS.
+        timeout: seconds after which all processes are stopped and TimeoutError is raised.
+
+    Raises:
+        ProcessRaisedException: a rank raised; the message names it and holds its traceback.
+        ProcessExitedException: a rank exited non-zero or was killed, without a traceback.
+        TimeoutError: `timeout` passed. KeyboardInterrupt: SIGINT arrived (it reached every rank).
+
+    Example:
+        >>> def main(rank, steps):
+        ...     jdp.print0(jax.device_count())
+        >>> if __name__ == "__main__":
+        ...     jdp.spawn(main, args=(100,), nprocs=2, devices_per_process=2)
+    """
+    _check(fn, nprocs, devices_per_process)
+    with tempfile.TemporaryDirectory(prefix="jdp-spawn-") as tmp:
+        payload = os.path.join(tmp, "payload.pkl")
+        with open(payload, "wb") as f:
+            pickle.dump(_preparation_data(), f)
+            f.write(_pickled(fn, args))
+        cmd = [sys.executable, "-u", _run.__file__, "--spawn", payload]
+        port = _net.free_port()
+        specs = [_supervisor.RankSpec(r, cmd, _env(r, nprocs, port, tmp, devices_per_process))
+                 for r in range(nprocs)]
+        outcome = _supervisor.run(specs, _supervisor.Output(), timeout_s=timeout)
+        _raise_for(outcome, tmp, nprocs, timeout)
+
+
+def _env(rank: int, nprocs: int, port: int, tmp: str, devices_per_process: int | None) -> dict:
+    """Rank `rank`'s environment: the launcher's variables, and an error file under `tmp`."""
+    env = _supervisor.rank_env(os.environ, rank=rank, local_rank=rank, world_size=nprocs,
+                               local_world_size=nprocs, node_rank=0, master_addr="127.0.0.1",
+                               master_port=port, devices_per_process=devices_per_process)
+    env[_run.ERROR_FILE_ENV] = os.path.join(tmp, f"error.{rank}")
+    return env
+
+
+def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
+    """Reject what cannot work before any process starts."""
+    if os.environ.get(_run.BOOTSTRAP_ENV) == "1":
+        raise RuntimeError("jdp.spawn() ran while a spawned process imported the parent's main "
+                           "module: put the call under `if __name__ == '__main__':`")
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be an integer >= 1 (the number of processes)")
+    if devices_per_process is not None and (not isinstance(devices_per_process, int)
+                                            or devices_per_process < 1):
+        raise ValueError(f"devices_per_process={devices_per_process!r} must be an integer >= 1 "
+                         "or None")
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} is not callable; pass the function to run in each process")
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(f"fn={fn.__qualname__} is defined in an interactive session, which new "
+                         "processes cannot import; define it in a module (a .py file) and "
+                         "import it from there")
+
+
+def _preparation_data() -> dict:
+    """What a new process needs to look like this one: sys.path, cwd, how to import __main__.
+
+    multiprocessing's own recipe, so `fn` may live in the main script as with
+    `torch.multiprocessing.spawn`. The authkey is a plain bytes copy: multiprocessing refuses to
+    pickle its wrapper outside its own process start-up.
+    """
+    data = multiprocessing.spawn.get_preparation_data(WHO)
+    data["authkey"] = bytes(data["authkey"])
+    return data
+
+
+def _pickled(fn: Callable, args: Sequence[Any]) -> bytes:
+    """(fn, args) pickled, or a TypeError that says what a spawned process can load."""
+    try:
+        return pickle.dumps((fn, tuple(args)))
+    except Exception as e:
+        raise TypeError(f"jdp.spawn needs a module-level fn and picklable args ({e}); define "
+                        f"{getattr(fn, '__qualname__', fn)!r} at the top level of a module, "
+                        "not as a lambda or nested function") from None
+
+
+def _raise_for(outcome: _supervisor.Outcome, tmp: str, nprocs: int,
+               timeout: float | None) -> None:
+    """Turn a supervised run's outcome into a return or the right exception."""
+    if outcome.signal == signal.SIGINT:
+        raise KeyboardInterrupt(f"{WHO}: SIGINT; stopped all {nprocs} processes")
+    if outcome.signal is not None:
+        signal.raise_signal(outcome.signal)   # as if we had not caught it: handler or death
+        name = signal.Signals(outcome.signal).name
+        raise ProcessExitedException(f"{WHO}: received {name}; stopped all {nprocs} processes",
+                                     -1, -outcome.signal)
+    if outcome.timed_out:
+        raise TimeoutError(f"{WHO}: processes still running after timeout={timeout} s; stopped "
+                           f"all {nprocs}")
+    if outcome.failed_rank is None:
+        return
+    rank, code = outcome.failed_rank, outcome.returncode
+    head = (f"{WHO}: rank {rank} of {nprocs} failed with "
+            f"{_supervisor.describe_exit(code)}; stopped the others")
+    path = os.path.join(tmp, f"error.{rank}")
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+        raise ProcessRaisedException(f"{head}. Its traceback:\n\n{text}", rank, code, text)
+    tail = "\n".join(outcome.tail) or "(nothing)"
+    raise ProcessExitedException(f"{head}. Last lines of its stderr:\n{tail}", rank, code)
