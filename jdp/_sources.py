@@ -1,0 +1,142 @@
+"""Reading a batch of examples from a data source as a dict of numpy arrays (Loader internals).
+
+Two kinds of source, each read a whole batch at a time:
+
+* `ArraySource`, or a plain dict of arrays (one row per example): numpy fancy indexing, the
+  fast path;
+* anything with `__len__` and `__getitem__` returning a dict of fields (TFDS
+  `tfds.data_source(...)`, grain-style sources): `source.__getitems__(indices)` where the source
+  has it (one call per batch), else `source[i]` per example; then one `np.stack` per field.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+Reader = Callable[[np.ndarray], dict]
+"""`read(indices) -> {field: array with leading axis len(indices)}`."""
+
+MASK = "mask"
+"""Field name the Loader adds; a source may not use it."""
+
+
+def make_reader(source: Any) -> tuple[int, Reader]:
+    """Number of examples in `source` and a function reading rows `indices` of it.
+
+    Raises:
+        TypeError: `source` is neither a dict of arrays nor a `__len__`/`__getitem__` source.
+        ValueError: a dict source is not a valid `ArraySource`.
+    """
+    if isinstance(source, Mapping):
+        source = ArraySource(source)
+    if isinstance(source, ArraySource):
+        return len(source), source.read
+    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+        return len(source), _ExampleReader(source)
+    raise TypeError(
+        f"Loader: source of type {type(source).__name__} is not readable; expected a dict of "
+        "arrays ({'image': x, 'label': y}) or an object with __len__ and __getitem__ returning "
+        "a dict of fields (e.g. tfds.data_source(...)): wrap your data as one of those")
+
+
+class ArraySource:
+    """Examples held as a dict of arrays, one row per example: the Loader's fast path.
+
+    Like a TFDS data source, `len(source)` counts examples and `source[i]` is example i as a
+    dict; the Loader reads whole batches with numpy fancy indexing instead. A plain dict of
+    arrays passed to the Loader is wrapped in one.
+
+    Args:
+        arrays: field name -> array (numpy or anything `np.asarray` takes), all of the same
+            length; no field may be called "mask".
+
+    Raises:
+        ValueError: no fields, a field that is not an array, fields of different lengths, or a
+            field named "mask".
+
+    Example:
+        >>> source = ArraySource({"x": np.zeros((100, 3)), "y": np.arange(100)})
+        >>> len(source), int(source[7]["y"]), source.arrays["x"].shape
+        (100, 7, (100, 3))
+    """
+
+    def __init__(self, arrays: Mapping[str, Any]):
+        if not arrays:
+            raise ValueError("ArraySource: no fields; pass a dict such as {'x': x, 'y': y}")
+        self.arrays = {key: np.asarray(value) for key, value in arrays.items()}
+        flat = [key for key, a in self.arrays.items() if a.ndim == 0]
+        if flat:
+            raise ValueError(f"ArraySource: field(s) {flat} are not arrays with one row per "
+                             "example (got a scalar or a nested dict); pass a flat dict of arrays")
+        _check_no_mask(self.arrays, "the source dict")
+        lengths = {key: len(a) for key, a in self.arrays.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"ArraySource: fields have different lengths {lengths}; every "
+                             "field must hold one row per example (same leading axis)")
+        self._len = next(iter(lengths.values()))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict:
+        return {key: a[index] for key, a in self.arrays.items()}
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
+        return [self[i] for i in indices]
+
+    def read(self, indices: np.ndarray) -> dict:
+        """Rows `indices` of every field (`{field: array[len(indices), ...]}`)."""
+        return {key: a[indices] for key, a in self.arrays.items()}
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}: {a.dtype}{list(a.shape[1:])}" for k, a in self.arrays.items())
+        return f"ArraySource({self._len} examples; {fields})"
+
+
+class _ExampleReader:
+    """Reads a batch from a random-access source of dict examples and stacks each field."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.batched = hasattr(source, "__getitems__")
+
+    def __call__(self, idx: np.ndarray) -> dict:
+        keys = idx.tolist()
+        examples = self._examples(keys)
+        if len(examples) != len(keys):
+            raise ValueError(f"Loader: the source returned {len(examples)} examples for "
+                             f"{len(keys)} indices; __getitems__ must return one per index")
+        return _stack(examples, keys)
+
+    def _examples(self, keys: list[int]) -> Sequence:
+        if self.batched:
+            try:
+                return list(self.source.__getitems__(keys))
+            except TypeError:
+                # A __getitems__ that cannot take a list of ints (tfds.testing.mock_data installs
+                # an unbound one) is ignored: per-example reads below raise any real error again.
+                self.batched = False
+        return [self.source[k] for k in keys]
+
+
+def _stack(examples: Sequence, keys: list[int]) -> dict:
+    first = examples[0]
+    if not isinstance(first, Mapping):
+        raise TypeError(f"Loader: source[{keys[0]}] is a {type(first).__name__}; expected a dict "
+                        "of fields such as {'image': ..., 'label': ...}: make __getitem__ "
+                        "return a dict")
+    _check_no_mask(first, f"source[{keys[0]}]")
+    try:
+        return {field: np.stack([np.asarray(ex[field]) for ex in examples]) for field in first}
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"Loader: examples {keys[:8]}... do not all have the fields "
+                         f"{sorted(first)} ({err!r}); every example must have the same fields"
+                         ) from err
+
+
+def _check_no_mask(fields: Mapping, where: str) -> None:
+    if MASK in fields:
+        raise ValueError(f"Loader: {where} has a field named {MASK!r}, which the Loader adds "
+                         "itself (True for real examples); rename that field")
