@@ -1,0 +1,33 @@
+# jdp: set-up, the main job, tests, benchmarks. `make install demo` then `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Simulated CPU devices for the demo when there is no accelerator (ignored by GPUs).
+DEVICES ?= 8
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=$(DEVICES)
+
+.PHONY: install demo test bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(PY) examples/mnist.py --dataset digits --output-dir runs/demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m benchmarks.run --output BENCHMARKS.md
+
+lint: install
+	$(PY) -m pip install -q ruff
+	$(PY) -m ruff check jdp tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info
