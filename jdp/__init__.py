@@ -50,3 +50,12 @@ __all__ = [
     "train_step",
     "unreplicate",
 ]
+
+
+def __getattr__(name: str):
+    # `jdp.launch` on demand: importing it eagerly makes `python -m jdp.launch` warn (runpy).
+    if name == "launch":
+        import importlib
+
+        return importlib.import_module("jdp.launch")
+    raise AttributeError(f"module 'jdp' has no attribute {name!r}")
