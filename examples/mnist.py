@@ -140,16 +140,19 @@ def train_and_evaluate(args) -> dict:
         jdp.print0(json.dumps(record))
         if ckpt:
             ckpt.save(epoch + 1, state, loader=train_loader)
-    write_outputs(args.output_dir, history)
+    write_outputs(args.output_dir, history, append=bool(ckpt))
     return history[-1] if history else {}
 
 
-def write_outputs(output_dir: str | None, history: list[dict]) -> None:
-    """Metrics as JSON lines and a PNG of loss and accuracy per epoch (process 0 only)."""
+def write_outputs(output_dir: str | None, history: list[dict], append: bool) -> None:
+    """Metrics as JSON lines and a PNG of loss and accuracy per epoch (process 0 only).
+
+    A resumable run (`append`) adds the epochs it trained to the lines of the runs before it.
+    """
     if not output_dir or not jdp.is_primary() or not history:
         return
     os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a" if append else "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in history)
     import matplotlib
 
@@ -172,7 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", default="digits", choices=["digits", "mnist", "fashion_mnist"],
                    help="digits is built in and needs no network")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128, help="global, over all processes")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

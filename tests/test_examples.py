@@ -136,3 +136,14 @@ def test_spawn_mlp_example_trains_one_epoch_and_its_loss_falls(tag):
     assert match, result.stdout
     mean, first, last = map(float, match.groups())
     assert last < first * 0.8
+
+
+def test_demo_trains_digits_on_8_devices_to_95_percent(tmp_path):
+    """What `make demo` runs: the defaults, 8 simulated devices, no network."""
+    result = run_python([os.path.join(EXAMPLES, "mnist.py"), "--quiet", "--output-dir",
+                         str(tmp_path)], env=child_env(devices=8), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "training on 8 devices in 1 processes" in result.stdout
+    record = last_record(tmp_path)
+    assert record["epoch"] == 20
+    assert record["test_accuracy"] >= 0.95
