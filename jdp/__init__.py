@@ -10,15 +10,23 @@ with gradients averaged by `lax.pmean`::
     for batch in jdp.data.Loader(source, batch_size=256):
         state, metrics = step(state, batch)
 """
-from jdp.distributed import (barrier, broadcast_from_primary, get_logger, initialize, is_primary,
-                             print0, process_count, process_index, shutdown)
+from jdp import checkpoint, data, datasets
+from jdp.checkpoint import Checkpointer
+from jdp.data import DistributedSampler, Loader
+from jdp.distributed import (
+    barrier,
+    broadcast_from_primary,
+    get_logger,
+    initialize,
+    is_primary,
+    print0,
+    process_count,
+    process_index,
+    shutdown,
+)
+from jdp.spawn import ProcessExitedException, ProcessRaisedException, spawn
 from jdp.state import TrainState, replicate, shard, unreplicate
 from jdp.step import AXIS, eval_step, reduce_gradients, train_step
-from jdp.spawn import ProcessExitedException, ProcessRaisedException, spawn
-from jdp import checkpoint
-from jdp.checkpoint import Checkpointer
-from jdp import data, datasets
-from jdp.data import DistributedSampler, Loader
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,8 @@ same mistakes surface as shape errors deep in XLA.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,7 @@ def per_example(values: Any, b: int) -> None:
                         f"per-example values of shape [{b}]")
     for k, v in values.items():
         if jnp.shape(v) != (b,):
-            raise ValueError(f"metric_fn value {k!r} has shape {jnp.shape(v)}: expected per-example "
-                             f"values of shape [{b}]; return e.g. (pred == label) per example, "
+            raise ValueError(f"metric_fn value {k!r} has shape {jnp.shape(v)}: expected "
+                             f"per-example values of shape [{b}]; return e.g. (pred == label) "
+                             f"per example, "
                              f"not its mean")

@@ -53,7 +53,7 @@ class _Prefetcher:
         self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._thread)
         self._thread.start()
 
-    def __iter__(self) -> "_Prefetcher":
+    def __iter__(self) -> _Prefetcher:
         return self
 
     def __next__(self) -> Any:

@@ -27,7 +27,8 @@ import re  # noqa: E402
 import runpy  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from typing import Callable, NoReturn, Optional  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import NoReturn
 
 ERROR_FILE_ENV = "JDP_ERROR_FILE"
 SUPERVISOR_ENV = "JDP_SUPERVISOR_PID"
@@ -52,7 +53,7 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def report_failure(code: int = 1, exc: Optional[BaseException] = None) -> NoReturn:
+def report_failure(code: int = 1, exc: BaseException | None = None) -> NoReturn:
     """Print an exception's traceback to stderr (and to $JDP_ERROR_FILE), then exit_now(code).
 
     `exc` defaults to the exception being handled. A rank whose collective failed because a
@@ -87,7 +88,7 @@ def _user_frames(tb):
     return tb
 
 
-def _lost_peer(exc: Optional[BaseException]) -> bool:
+def _lost_peer(exc: BaseException | None) -> bool:
     """Does `exc` (or its cause/context) look like a collective that lost a peer?"""
     seen = 0
     while exc is not None and seen < 10:

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO, NamedTuple
 
 from jdp import _run
 
@@ -76,7 +77,7 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
     env = {k: v for k, v in base.items() if k != _run.ERROR_FILE_ENV}
     values = (rank, local_rank, world_size, local_world_size, node_rank, master_addr,
               master_port, restart_count)
-    env.update({k: str(v) for k, v in zip(RANK_ENV, values)})
+    env.update({k: str(v) for k, v in zip(RANK_ENV, values, strict=True)})
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES)]
@@ -84,7 +85,11 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
     return env
 
 
-def run(specs: Sequence[RankSpec], output: Output = Output(), *, grace_s: float = GRACE_S,
+CONSOLE = Output()
+"""Ranks' output on the console only (the default)."""
+
+
+def run(specs: Sequence[RankSpec], output: Output = CONSOLE, *, grace_s: float = GRACE_S,
         timeout_s: float | None = None) -> Outcome:
     """Start every rank, supervise them to the end, and leave no process behind.
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import operator
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -162,7 +163,7 @@ class Checkpointer:
         """Release orbax's resources. Saves are already complete when `save` returns."""
         self._manager.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

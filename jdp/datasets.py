@@ -8,7 +8,8 @@
   (jdp never downloads)::
 
       pip install "jdp[prepare]"
-      python -c "import tensorflow_datasets as tfds; tfds.builder('mnist', data_dir='D').download_and_prepare(file_format='array_record')"
+      python -c "import tensorflow_datasets as tfds; \\
+          tfds.builder('mnist', data_dir='D').download_and_prepare(file_format='array_record')"
 
   then copy `D` over and pass `data_dir='D'` (`--data-dir D` in the examples).
 * `"digits"`: scikit-learn's 8x8 handwritten digits (shipped inside the package, no network),

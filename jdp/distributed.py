@@ -17,7 +17,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -407,7 +408,7 @@ def broadcast_from_primary(tree: Any) -> Any:
     # The broadcast is a psum with zeros on the other processes: bools are summed as uint8.
     sendable = [x.astype(np.uint8) if x.dtype == np.bool_ else x for x in host]
     received = multihost_utils.broadcast_one_to_all(sendable)
-    out = [np.asarray(r).astype(h.dtype) for r, h in zip(received, host)]
+    out = [np.asarray(r).astype(h.dtype) for r, h in zip(received, host, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
 

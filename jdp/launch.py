@@ -11,7 +11,7 @@ import os
 import shutil
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from jdp import _net, _run, _supervisor
 

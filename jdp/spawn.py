@@ -14,7 +14,8 @@ import pickle
 import signal
 import sys
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jdp import _net, _run, _supervisor
 

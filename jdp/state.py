@@ -33,7 +33,7 @@ class TrainState(train_state.TrainState):
 
     @classmethod
     def create(cls, *, apply_fn, params, tx, model_state=None, seed: int | None = None,
-               **kwargs) -> "TrainState":
+               **kwargs) -> TrainState:
         """Create a state with optimiser state from `tx`; `seed` sets `rng`."""
         if seed is not None and kwargs.get("rng") is None:
             kwargs["rng"] = jax.random.key_data(jax.random.key(seed))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -172,11 +173,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     optimiser (`state.apply_gradients`) identically everywhere, so N devices with b examples
     each train exactly as one device on the N·b batch. The loss is called as:
 
-    | state carries model state¹ | has_aux | call and return                                   |
-    | no                         | False   | `loss_fn(params, batch) -> loss`                  |
-    | no                         | True    | `loss_fn(params, batch) -> (loss, metrics)`       |
-    | yes                        | False   | `loss_fn(params, batch, ms) -> (loss, new_ms)`    |
-    | yes                        | True    | `loss_fn(params, batch, ms) -> (loss, (metrics, new_ms))` |
+    | model state¹ | has_aux | call and return                                          |
+    | no           | False   | `loss_fn(params, batch) -> loss`                         |
+    | no           | True    | `loss_fn(params, batch) -> (loss, metrics)`              |
+    | yes          | False   | `loss_fn(params, batch, ms) -> (loss, new_ms)`           |
+    | yes          | True    | `loss_fn(params, batch, ms) -> (loss, (metrics, new_ms))` |
 
     ¹ a non-None `model_state` (jdp.TrainState) or `batch_stats` field. If the state has a
     non-None `rng`, the loss also gets `rng=`: a key distinct per device, step and micro-batch.

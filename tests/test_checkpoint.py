@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import jdp
 from _checkpoint_child import Net, host_leaves, make_state
 from conftest import REPO, child_env, free_port, run_python
+
+import jdp
 from jdp.checkpoint import Checkpointer
 from jdp.data import DistributedSampler, Loader
 
@@ -100,8 +100,9 @@ def test_restore_puts_each_leaf_on_every_device_like_the_template(tmp_path):
     restored = ckpt.restore(template)
     assert restored.apply_fn == template.apply_fn and restored.tx is template.tx
     want = host_leaves(make_state(1))
-    for (path, leaf), (_, tleaf) in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
-                                        jax.tree_util.tree_flatten_with_path(template)[0]):
+    pairs = zip(jax.tree_util.tree_flatten_with_path(restored)[0],
+                jax.tree_util.tree_flatten_with_path(template)[0], strict=True)
+    for (path, leaf), (_, tleaf) in pairs:
         assert leaf.sharding == tleaf.sharding and leaf.dtype == tleaf.dtype
         for shard in leaf.addressable_shards:
             assert np.array_equal(shard.data[0], want[jax.tree_util.keystr(path)])

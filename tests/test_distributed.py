@@ -13,10 +13,10 @@ import time
 
 import jax
 import pytest
+from conftest import REPO, free_port, job_env, run_python, write_script
 
 import jdp
 from jdp import distributed
-from conftest import REPO, free_port, job_env, run_python, write_script
 
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                "LOCAL_WORLD_SIZE", "NODE_RANK", "JAX_LOCAL_DEVICE_IDS", "JDP_CLUSTER_DETECTION",

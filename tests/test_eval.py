@@ -2,9 +2,9 @@
 import jax.numpy as jnp
 import numpy as np
 import optax
+from test_step import N, data, mlp_params
 
 import jdp
-from test_step import N, data, mlp_params
 
 
 def sq_error(state, batch):

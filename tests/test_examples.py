@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-
 from conftest import REPO, child_env, job_env, job_processes, run_python, start_launcher
 
 EXAMPLES = os.path.join(REPO, "examples")

@@ -10,10 +10,16 @@ import subprocess
 import time
 
 import pytest
+from conftest import (
+    free_port,
+    job_env,
+    start_launcher,
+    wait_for_text,
+    wait_until_gone,
+    write_script,
+)
 
 import jdp.launch
-from conftest import (free_port, job_env, start_launcher, wait_for_text, wait_until_gone,
-                      write_script)
 
 TIMEOUT = 120
 

@@ -11,11 +11,11 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import _spawn_targets as targets
-import jdp
+import pytest
 from conftest import REPO, TAG_ENV, job_env, write_script
+
+import jdp
 
 
 @pytest.fixture

@@ -47,7 +47,8 @@ def jdp_steps(params, tx, batches, **options):
 
 
 def assert_tree_close(a, b, **tol):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
 
 

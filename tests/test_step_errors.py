@@ -3,9 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_step import N, data, mlp_params, mse
 
 import jdp
-from test_step import N, data, mlp_params, mse
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_step import N, assert_tree_close, data, mlp_params, mse
 
 import jdp
-from test_step import N, assert_tree_close, data, mlp_params, mse
 
 
 class BNNet(nn.Module):
@@ -55,8 +55,8 @@ def test_sync_batchnorm_statistics_equal_those_of_the_global_batch():
 def per_device_stats(model, state0, batch):
     """Independent: each device's BatchNorm update from its own slice, by plain flax."""
     slices = jdp.shard(batch)
-    return [bn_loss(model)(state0.params, jax.tree.map(lambda v: v[d], slices),
-                           state0.model_state)[1] for d in range(N)]
+    per_device = [jax.tree.map(lambda v, d=d: v[d], slices) for d in range(N)]
+    return [bn_loss(model)(state0.params, b, state0.model_state)[1] for b in per_device]
 
 
 @pytest.mark.parametrize("sync", ["mean", None])
@@ -70,7 +70,7 @@ def test_model_state_sync_mean_leaves_every_device_the_average(sync):
     for d in range(N):
         want = (jax.tree.map(lambda *xs: np.mean(xs, 0), *expected) if sync == "mean"
                 else expected[d])
-        assert_tree_close(jax.tree.map(lambda v: v[d], got), want, rtol=1e-5, atol=1e-6)
+        assert_tree_close(jax.tree.map(lambda v, d=d: v[d], got), want, rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_masks_differ_across_devices_and_reproduce_on_rerun():
