@@ -28,6 +28,12 @@ def train_options(grad_reduce: str, accum_steps: int, model_state_sync: Any,
         raise ValueError(f"max_in_flight={max_in_flight!r}: expected an int >= 1")
 
 
+def backend(name: str) -> None:
+    """The parallel backend must be one jdp has."""
+    if name not in ("pmap", "shard_map"):
+        raise ValueError(f"backend={name!r}: expected 'pmap' (default) or 'shard_map'")
+
+
 def _name(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 

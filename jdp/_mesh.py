@@ -1,5 +1,13 @@
-"""The device axis jdp works over: its name and the sharding of per-device arrays."""
+"""The device axis jdp works over: its name, and the layouts of per-device arrays.
+
+Arrays that jdp hands out (replicated state, Loader batches) are process-local: a leading axis
+of `jax.local_device_count()`, slice i on local device i (`local_sharding`). The shard_map
+backend runs on one global mesh instead; `to_global` / `to_local` move between the two views
+without copying, by regrouping the same per-device buffers.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,5 +24,45 @@ def local_sharding() -> NamedSharding:
     The device order is pmap's (`jax.local_devices()`), so arrays placed with it enter a
     pmapped step without a copy.
     """
-    mesh = Mesh(np.array(jax.local_devices()), (AXIS,))
-    return NamedSharding(mesh, PartitionSpec(AXIS))
+    return NamedSharding(Mesh(np.array(jax.local_devices()), (AXIS,)), PartitionSpec(AXIS))
+
+
+def global_sharding() -> NamedSharding:
+    """One mesh axis over every device of every process (the local one on a single process).
+
+    Processes list their devices contiguously, by id, so every process builds the same mesh.
+    """
+    if jax.process_count() == 1:
+        return local_sharding()
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+
+
+def _regroup(x: jax.Array, sharding: NamedSharding, leading: int) -> jax.Array:
+    """The same per-device buffers of `x` as one array laid out by `sharding`."""
+    buffers = {s.device: s.data for s in x.addressable_shards}
+    shape = (leading, *x.shape[1:])
+    ordered = [buffers[d] for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
+
+
+def to_global(tree: Any) -> Any:
+    """Process-local `[local_devices, ...]` leaves as global `[devices, ...]` arrays."""
+    if jax.process_count() == 1:
+        return tree
+    local, target = local_sharding(), global_sharding()
+
+    def one(x):
+        if not (isinstance(x, jax.Array) and x.sharding == local):
+            x = jax.device_put(x, local)
+        return _regroup(x, target, jax.device_count())
+
+    return jax.tree.map(one, tree)
+
+
+def to_local(tree: Any) -> Any:
+    """Global `[devices, ...]` leaves as this process's `[local_devices, ...]` arrays."""
+    if jax.process_count() == 1:
+        return tree
+    target = local_sharding()
+    return jax.tree.map(lambda x: _regroup(x, target, jax.local_device_count()), tree)

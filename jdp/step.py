@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp import _checks
+from jdp import _checks, _mesh
 from jdp._mesh import AXIS
 
 _MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -139,10 +139,33 @@ def _device_train_step(state, batch, *, loss_fn, has_aux, grad_reduce, accum_ste
     return state, metrics
 
 
-def _parallelize(fn: Callable, donate_state: bool) -> Callable:
-    """The parallel transform: `fn` on every local device, its collectives spanning all
-    devices of all processes (pmap's axis covers the global device set)."""
-    return jax.pmap(fn, axis_name=AXIS, donate_argnums=(0,) if donate_state else ())
+def _parallelize(fn: Callable, donate_state: bool, backend: str) -> Callable:
+    """The parallel transform: `fn(state, batch)` on every local device, its collectives
+    spanning all devices of all processes. The only place that knows the backend.
+
+    "pmap": `jax.pmap`, whose axis covers the global device set. "shard_map": `jax.jit` of
+    `jax.shard_map` over one global mesh (JAX's recommended path since pmap entered maintenance
+    mode); the process-local arrays are regrouped into global ones and back, without copies.
+    Both take and return the same `[local_devices, ...]` arrays.
+    """
+    donate = (0,) if donate_state else ()
+    if backend == "pmap":
+        return jax.pmap(fn, axis_name=AXIS, donate_argnums=donate)
+    spec = _mesh.global_sharding().spec
+
+    def per_block(state, batch):  # each device's block keeps a leading axis of 1
+        out = fn(*jax.tree.map(lambda x: x[0], (state, batch)))
+        return jax.tree.map(lambda x: x[None], out)
+
+    mapped = jax.jit(jax.shard_map(per_block, mesh=_mesh.global_sharding().mesh,
+                                   in_specs=(spec, spec), out_specs=spec),
+                     donate_argnums=donate)
+
+    def call(state, batch):
+        return _mesh.to_local(mapped(*_mesh.to_global((state, batch))))
+
+    call.lower = lambda state, batch: mapped.lower(*_mesh.to_global((state, batch)))
+    return call
 
 
 class _Bounded:
@@ -165,7 +188,7 @@ class _Bounded:
 def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "mean",
                accum_steps: int = 1, model_state_sync: str | None = "mean",
                comm_dtype: Any = None, donate: bool = True,
-               max_in_flight: int = 2) -> Callable:
+               max_in_flight: int = 2, backend: str = "pmap") -> Callable:
     """Make a data-parallel train step from a pure single-device loss.
 
     `step(state, batch)` runs `loss_fn` on every local device's slice of `batch`, all-reduces
@@ -194,6 +217,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         comm_dtype: dtype for the gradient all-reduce (e.g. `jnp.bfloat16`); None: as is.
         donate: donate the input state's buffers to the output (the old state is consumed).
         max_in_flight: steps dispatched ahead before waiting; bounds host run-ahead.
+        backend: "pmap" (default) or "shard_map" (`jit` + `shard_map` on a global mesh); the
+            same call, arrays and results either way.
 
     Returns:
         `step(state, batch) -> (state, metrics)`; `state` replicated (`jdp.replicate`), batch
@@ -207,17 +232,18 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         >>> state, metrics = step(jdp.replicate(state), jdp.shard({"x": x, "y": y}))
     """
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight)
+    _checks.backend(backend)
     device_step = functools.partial(
         _device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
-    return _make_step(device_step, donate, max_in_flight, accum_steps,
+    return _make_step(device_step, donate, max_in_flight, backend, accum_steps,
                       wait_on=lambda out: out[1])
 
 
-def _make_step(device_fn: Callable, donate: bool, max_in_flight: int,
+def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: str,
                accum_steps: int = 1, wait_on: Callable = lambda out: out) -> Callable:
     """Wrap a per-device step: check inputs once per signature, run it, bound run-ahead."""
-    parallel = _parallelize(device_fn, donate)
+    parallel = _parallelize(device_fn, donate, backend)
     checked: set = set()
     in_flight = _Bounded(max_in_flight)
 
@@ -250,13 +276,19 @@ def _device_eval_step(state, batch, *, metric_fn):
     return lax.psum(sums, AXIS)
 
 
-def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
+def eval_step(metric_fn: Callable, *, max_in_flight: int = 2,
+              backend: str = "pmap") -> Callable:
     """Make a data-parallel evaluation that is exact over padded batches.
 
     `metric_fn(state, batch)` runs on one device's slice and returns a dict of per-example
     values of shape `[per_device_batch]`. The step sums each over the real examples of all
     devices of all processes (`batch["mask"]` False rows count for nothing) and adds "count",
     so `sum / count` is the exact mean over the split however it was padded.
+
+    Args:
+        metric_fn: `metric_fn(state, batch) -> {name: per-example values [per_device_batch]}`.
+        max_in_flight: evaluations dispatched ahead before waiting.
+        backend: "pmap" or "shard_map", as in `train_step`.
 
     Returns:
         `evaluate(state, batch) -> totals`, replicated like the state.
@@ -269,4 +301,5 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
         >>> accuracy = float(totals["correct"]) / float(totals["count"])
     """
     device_step = functools.partial(_device_eval_step, metric_fn=metric_fn)
-    return _make_step(device_step, donate=False, max_in_flight=max_in_flight)
+    _checks.backend(backend)
+    return _make_step(device_step, donate=False, max_in_flight=max_in_flight, backend=backend)

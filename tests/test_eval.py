@@ -2,6 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from test_step import N, data, mlp_params
 
 import jdp
@@ -12,14 +13,15 @@ def sq_error(state, batch):
     return {"sq_err": ((h @ state.params["w2"] - batch["y"]) ** 2)[:, 0]}
 
 
-def test_masked_padding_counts_for_nothing():
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_masked_padding_counts_for_nothing(backend):
     real = data(N * 3 - 5)  # 19 real examples padded to 24 with garbage rows
     padded = {k: np.concatenate([v, np.full((5, *v.shape[1:]), 1e6, v.dtype)])
               for k, v in real.items()}
     padded["mask"] = np.arange(N * 3) < N * 3 - 5
     state = jdp.replicate(jdp.TrainState.create(apply_fn=None, params=mlp_params(),
                                                 tx=optax.sgd(0.1)))
-    totals = jdp.unreplicate(jdp.eval_step(sq_error)(state, jdp.shard(padded)))
+    totals = jdp.unreplicate(jdp.eval_step(sq_error, backend=backend)(state, jdp.shard(padded)))
     p = mlp_params()
     expected = ((np.tanh(real["x"] @ p["w1"] + p["b1"]) @ p["w2"] - real["y"]) ** 2).sum()
     assert float(totals["count"]) == N * 3 - 5

@@ -52,11 +52,12 @@ def assert_tree_close(a, b, **tol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
 
 
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 @pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
-def test_one_step_on_8_devices_equals_single_device_on_global_batch(tx):
+def test_one_step_on_8_devices_equals_single_device_on_global_batch(tx, backend):
     batches = [data(N * 4, seed=s) for s in range(3)]
     expected = single_device_steps(mlp_params(), tx, batches)
-    got, _ = jdp_steps(mlp_params(), tx, batches)
+    got, _ = jdp_steps(mlp_params(), tx, batches, backend=backend)
     assert_tree_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -81,11 +82,12 @@ def test_grad_reduce_sum_gives_n_times_the_mean_gradient():
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_accum_steps_equals_one_step_on_the_whole_batch():
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_accum_steps_equals_one_step_on_the_whole_batch(backend):
     batches = [data(N * 8, seed=s) for s in range(2)]
     tx = optax.adam(1e-2)
     expected = single_device_steps(mlp_params(), tx, batches)
-    got, _ = jdp_steps(mlp_params(), tx, batches, accum_steps=4)
+    got, _ = jdp_steps(mlp_params(), tx, batches, accum_steps=4, backend=backend)
     assert_tree_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -96,10 +98,11 @@ def count_all_reduces(step, batch):
     return hlo.count(" all-reduce("), hlo.count(" all-reduce-start(")
 
 
-def test_accumulation_compiles_to_one_gradient_all_reduce_per_step():
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_accumulation_compiles_to_one_gradient_all_reduce_per_step(backend):
     batch = data(N * 8)
-    plain = count_all_reduces(jdp.train_step(mse), batch)
-    accum = count_all_reduces(jdp.train_step(mse, accum_steps=4), batch)
+    plain = count_all_reduces(jdp.train_step(mse, backend=backend), batch)
+    accum = count_all_reduces(jdp.train_step(mse, accum_steps=4, backend=backend), batch)
     assert sum(plain) >= 1
     assert accum == plain  # not 4x: the micro-batch loop holds no collective
 

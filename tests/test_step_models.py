@@ -37,7 +37,8 @@ def bn_state(model, x, tx):
                                  model_state=v["batch_stats"])
 
 
-def test_sync_batchnorm_statistics_equal_those_of_the_global_batch():
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_sync_batchnorm_statistics_equal_those_of_the_global_batch(backend):
     batch, tx = data(N * 4), optax.sgd(0.1)
     ref_model, model = BNNet(), BNNet(axis_name=jdp.AXIS)
     state0 = bn_state(ref_model, batch["x"], tx)
@@ -45,7 +46,7 @@ def test_sync_batchnorm_statistics_equal_those_of_the_global_batch():
     (_, ref_stats), grads = jax.value_and_grad(bn_loss(ref_model), has_aux=True)(
         state0.params, batch, state0.model_state)
     ref_params = optax.apply_updates(state0.params, tx.update(grads, tx.init(state0.params))[0])
-    step = jdp.train_step(bn_loss(model))
+    step = jdp.train_step(bn_loss(model), backend=backend)
     state, _ = step(jdp.replicate(state0), jdp.shard(batch))
     out = jdp.unreplicate(state)
     assert_tree_close(out.model_state, ref_stats, rtol=1e-5, atol=1e-6)
@@ -78,10 +79,10 @@ def test_dropout_masks_differ_across_devices_and_reproduce_on_rerun():
         mask = jax.random.bernoulli(rng, 0.5, (16,))
         return mse(params, batch), {"mask": mask.astype(jnp.float32)}
 
-    def run(seed):
+    def run(seed, backend="pmap"):
         state = jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=optax.sgd(0.0),
                                       model_state={"mask": jnp.zeros(16)}, seed=seed)
-        step = jdp.train_step(loss_fn, model_state_sync=None)
+        step = jdp.train_step(loss_fn, model_state_sync=None, backend=backend)
         state = jdp.replicate(state)
         masks = []
         for _ in range(2):
@@ -90,6 +91,7 @@ def test_dropout_masks_differ_across_devices_and_reproduce_on_rerun():
         return masks
 
     first, again, other = run(0), run(0), run(1)
+    np.testing.assert_array_equal(run(0, "shard_map")[1], first[1])  # same keys either backend
     assert len({m.tobytes() for m in first[0]}) == N          # one mask per device
     assert not np.array_equal(first[0], first[1])             # a new mask each step
     np.testing.assert_array_equal(first[0], again[0])         # same seed: same masks

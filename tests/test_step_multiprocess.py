@@ -1,0 +1,55 @@
+"""train_step across 2 real processes x 2 devices equals single-device optax, both backends."""
+import os
+
+import jax
+import numpy as np
+import optax
+from conftest import job_env, start_launcher, write_script
+
+SCRIPT = """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np, optax
+    import jdp
+
+    jdp.initialize()
+    out = sys.argv[1]
+    x, y = np.load(out + "/x.npy"), np.load(out + "/y.npy")  # [steps, global_batch, ...]
+    per_process = x.shape[1] // jax.process_count()
+    mine = slice(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
+
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    for backend in ("pmap", "shard_map"):
+        state = jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((3, 1))},
+                                      tx=optax.adam(0.1))
+        state, step = jdp.replicate(state), jdp.train_step(loss_fn, backend=backend)
+        for s in range(x.shape[0]):
+            state, metrics = step(state, jdp.shard({"x": x[s, mine], "y": y[s, mine]}))
+        w = np.asarray(jdp.unreplicate(state).params["w"])
+        np.save(f"{out}/{backend}_{jax.process_index()}.npy", w)
+"""
+
+
+def test_two_processes_of_two_devices_train_as_one_device_on_the_global_batch(tmp_path, tag):
+    """Both backends run in the same job; every rank's result is checked."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 16, 3)).astype(np.float32)
+    y = x @ np.array([[1.0], [2.0], [3.0]], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    script = write_script(tmp_path, "train.py", SCRIPT)
+    launcher = start_launcher(["--nproc_per_node", "2", "--devices_per_process", "2", script,
+                               tmp_path], env=job_env(tag))
+    _, err = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, err
+
+    tx, params = optax.adam(0.1), {"w": np.zeros((3, 1), np.float32)}
+    opt_state = tx.init(params)
+    for s in range(3):  # reference: one device, the whole global batch of 16
+        grads = jax.grad(lambda p, s=s: ((x[s] @ p["w"] - y[s]) ** 2).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    for name in ("pmap_0", "pmap_1", "shard_map_0", "shard_map_1"):
+        got = np.load(os.path.join(tmp_path, f"{name}.npy"))
+        np.testing.assert_allclose(got, params["w"], rtol=1e-5, atol=1e-6, err_msg=name)
