@@ -11,15 +11,14 @@ with gradients averaged by `lax.pmean`::
         state, metrics = step(state, batch)
 """
 from jdp import checkpoint, data, datasets
+from jdp._log import get_logger, print0
 from jdp.checkpoint import Checkpointer
 from jdp.data import DistributedSampler, Loader
 from jdp.distributed import (
     barrier,
     broadcast_from_primary,
-    get_logger,
     initialize,
     is_primary,
-    print0,
     process_count,
     process_index,
     shutdown,

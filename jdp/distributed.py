@@ -8,11 +8,10 @@ process (no such variables, or WORLD_SIZE=1) is a quiet no-op, so one script run
 with `python train.py` and under `python -m jdp.launch --nproc_per_node 4 train.py`.
 
 The rest are small helpers: `is_primary`, `process_index`, `process_count`, `barrier`,
-`print0`, `get_logger`, `broadcast_from_primary`, `shutdown`.
+`broadcast_from_primary`, `shutdown` (rank-aware printing and logging: `jdp._log`).
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -329,69 +328,6 @@ def barrier(name: str = "jdp.barrier", timeout_s: float = 300.0) -> None:
         raise TimeoutError(f"barrier {name!r} timed out after {timeout_s} s on process "
                            f"{jax.process_index()}: another process is slow, stuck or dead (see "
                            "its log), or did not call barrier with this name") from None
-
-
-def print0(*args: Any, **kwargs: Any) -> None:
-    """`print` on process 0 only (flushed), so a message appears once per job.
-
-    Example:
-        >>> jdp.print0(f"epoch {epoch}: loss {loss:.3f}")
-    """
-    if _rank_hint() == 0:
-        kwargs.setdefault("flush", True)
-        print(*args, **kwargs)
-
-
-class _RankFilter(logging.Filter):
-    """Stamps records with the rank; on ranks > 0 lets only warnings and errors through."""
-
-    def __init__(self, all_ranks: bool):
-        super().__init__()
-        self.all_ranks = all_ranks
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = _rank_hint()
-        return self.all_ranks or record.rank == 0 or record.levelno >= logging.WARNING
-
-
-def get_logger(name: str = "jdp", level: int = logging.INFO,
-               all_ranks: bool = False) -> logging.Logger:
-    """A logger whose lines carry the rank, INFO from process 0 only (like accelerate's).
-
-    Safe to create at import time, before `initialize`: the rank is looked up per record.
-
-    Args:
-        name: logger name.
-        level: level of the logger.
-        all_ranks: let every process log at `level`, not only process 0 (warnings and errors
-            always come from every process).
-
-    Example:
-        >>> log = jdp.get_logger(__name__)
-        >>> log.info("step %d loss %.3f", step, loss)      # "... [rank0] INFO ...: step 10 ..."
-    """
-    logger = logging.getLogger(name)
-    for f in [f for f in logger.filters if isinstance(f, _RankFilter)]:
-        logger.removeFilter(f)
-    logger.addFilter(_RankFilter(all_ranks))
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level)
-    return logger
-
-
-def _rank_hint() -> int:
-    """This process's rank without starting a JAX backend (which would block `initialize`)."""
-    if jax.distributed.is_initialized():
-        return jax.process_index()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
 
 
 def broadcast_from_primary(tree: Any) -> Any:

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, free_port, job_env, run_python, write_script
 
 import jdp
-from jdp import distributed
+from jdp import _log, distributed
 
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                "LOCAL_WORLD_SIZE", "NODE_RANK", "JAX_LOCAL_DEVICE_IDS", "JDP_CLUSTER_DETECTION",
@@ -178,4 +178,4 @@ def test_get_logger_is_safe_before_initialize_and_idempotent():
     a = jdp.get_logger("jdp.test.same")
     b = jdp.get_logger("jdp.test.same", level=logging.WARNING)
     assert a is b and len(a.handlers) == 1 and a.level == logging.WARNING
-    assert len([f for f in a.filters if isinstance(f, distributed._RankFilter)]) == 1
+    assert len([f for f in a.filters if isinstance(f, _log._RankFilter)]) == 1
