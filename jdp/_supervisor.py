@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from jdp import _run
+from jdp import _malloc, _run
 
 GRACE_S = 3.0        # SIGTERM -> SIGKILL; keeps "all gone" well under 5 s
 POLL_S = 0.05        # how often the loop looks at signals and deadlines
@@ -72,7 +72,8 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
 
     Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
     JDP_RESTART_COUNT and PYTHONUNBUFFERED=1; with `devices_per_process`, XLA_FLAGS gets
-    --xla_force_host_platform_device_count=k (simulated CPU devices).
+    --xla_force_host_platform_device_count=k (simulated CPU devices); glibc's allocator
+    settings of `jdp._malloc` unless JDP_MALLOC_TUNING=0 or the user set them.
     """
     env = {k: v for k, v in base.items() if k != _run.ERROR_FILE_ENV}
     values = (rank, local_rank, world_size, local_world_size, node_rank, master_addr,
@@ -82,7 +83,7 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES)]
         env["XLA_FLAGS"] = " ".join([*flags, f"{_HOST_DEVICES}={devices_per_process}"])
-    return env
+    return _malloc.child_env(env)
 
 
 CONSOLE = Output()

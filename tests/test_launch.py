@@ -297,3 +297,17 @@ def test_help_documents_every_option_and_variable():
                  "--devices_per_process", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                  "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "JDP_RESTART_COUNT"):
         assert word in text
+
+
+def test_children_get_the_allocator_settings_unless_turned_off():
+    from jdp import _malloc, _supervisor
+
+    def env_of(base):
+        return _supervisor.rank_env(base, rank=0, local_rank=0, world_size=1,
+                                    local_world_size=1, node_rank=0, master_addr="127.0.0.1",
+                                    master_port=1234)
+
+    assert {k: env_of({})[k] for k in _malloc.ENV} == {
+        "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_ARENA_MAX": "1"}
+    assert env_of({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"   # the user's choice wins
+    assert not set(_malloc.ENV) & set(env_of({"JDP_MALLOC_TUNING": "0"}))
