@@ -22,7 +22,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# The PyTorch peer is optional: without it the report says the comparison was skipped.
 bench: install
+	$(PY) -m pip install -q -e ".[torch]" || echo "torch==2.13.0 not installable: skipping the PyTorch DDP comparison"
 	$(PY) -m benchmarks.run --output BENCHMARKS.md
 
 lint: install

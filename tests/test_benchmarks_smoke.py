@@ -13,18 +13,18 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-
 from conftest import REPO, child_env
 
 
 @pytest.fixture(scope="module")
 def bench():
+    """A worker's benchmark object on the 8 test devices, 2 examples per device."""
     from benchmarks import worker
-    return worker.Bench(["jdp", "hand"], per_device=2)
+    return worker.Bench(["jdp", "hand", "shardmap"], per_device=2)
 
 
 def test_timed_steps_give_finite_positive_throughput(bench):
-    for variant in ("jdp", "hand"):
+    for variant in ("jdp", "hand", "shardmap"):
         result = bench.time({"variant": variant, "steps": 2})
         assert result["samples"] == 2 * 2 * jax.device_count()
         assert math.isfinite(result["seconds"]) and result["seconds"] > 0
@@ -33,8 +33,9 @@ def test_timed_steps_give_finite_positive_throughput(bench):
     assert math.isfinite(ratio) and ratio > 0
 
 
-def test_one_all_reduce_of_exactly_the_gradient_stats_and_metrics(bench):
-    found = bench.hlo({"variant": "jdp"})
+@pytest.mark.parametrize("variant", ["jdp", "shardmap"])
+def test_one_all_reduce_of_exactly_the_gradient_stats_and_metrics(bench, variant):
+    found = bench.hlo({"variant": variant})
     state = jax.tree.map(lambda x: np.asarray(x)[0], bench.variants["jdp"].state)
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
     stats_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.model_state))
