@@ -105,7 +105,7 @@ def train_epoch(step, state, loader, epoch: int, progress: bool):
 
     losses, start, seen = [], time.perf_counter(), 0
     bar = tqdm(total=len(loader), initial=loader.step, desc=f"epoch {epoch}",
-               disable=not progress, leave=False)
+               disable=None if progress else True, leave=False)  # None: only on a terminal
     for batch in loader:
         state, metrics = step(state, batch)
         losses.append(metrics["loss"])
