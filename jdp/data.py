@@ -58,8 +58,8 @@ class DistributedSampler:
     exactly; the shuffled ones use `np.random.default_rng(seed + epoch).permutation(n)` instead of
     torch's `randperm` (same on every process, but not torch's numbers).
 
-    Fewer examples than replicas: without `drop_last` some ranks get only padding (as in
-    torch; the Loader masks it); with `drop_last` every rank would get nothing, which raises.
+    Fewer examples than replicas is an error (torch's one case jdp refuses): some ranks
+    would get nothing but padding, or, with `drop_last`, every rank nothing at all.
 
     Args:
         num_examples: number of examples in the source (`len(source)`), at least 1.
@@ -91,10 +91,10 @@ class DistributedSampler:
                              f"{self.num_replicas}; pass rank in range({self.num_replicas})")
         self.seed = _require_int(owner, "seed", seed, 0, "pass a non-negative seed")
         self.shuffle, self.drop_last, self.epoch = bool(shuffle), bool(drop_last), 0
-        if self.drop_last and self.num_examples < self.num_replicas:
-            raise ValueError(f"{owner}: drop_last=True with num_examples={self.num_examples} < "
-                             f"num_replicas={self.num_replicas} leaves every rank without "
-                             "examples; pass drop_last=False (ranks are padded) or more data")
+        if self.num_examples < self.num_replicas:
+            raise ValueError(f"{owner}: num_examples={self.num_examples} < num_replicas="
+                             f"{self.num_replicas}: some ranks would get no example at all; "
+                             "use fewer processes or more data")
         # torch: ceil((n - W) / W) with drop_last and a remainder, which is floor(n / W).
         per_rank = (self.num_examples // self.num_replicas if self.drop_last
                     else -(-self.num_examples // self.num_replicas))

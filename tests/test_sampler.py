@@ -18,9 +18,7 @@ TORCH_LISTS = [
     (11, 4, True, [[0, 4], [1, 5], [2, 6], [3, 7]]),
     (5, 2, False, [[0, 2, 4], [1, 3, 0]]),
     (5, 2, True, [[0, 2], [1, 3]]),
-    # padding longer than the list: it repeats several times ([0, 1] -> [0, 1, 0, 1, 0])
-    (2, 5, False, [[0], [1], [0], [1], [0]]),
-    (3, 8, False, [[0], [1], [2], [0], [1], [2], [0], [1]]),
+    (4, 3, False, [[0, 3], [1, 0], [2, 1]]),
     (7, 1, False, [[0, 1, 2, 3, 4, 5, 6]]),
     (1, 1, True, [[0]]),
 ]
@@ -39,7 +37,7 @@ def test_unshuffled_lists_equal_torchs(n, world, drop_last, expected):
 
 @pytest.mark.parametrize("n, world, expected", [
     (10, 3, [[False] * 4, [False, False, False, True], [False, False, False, True]]),
-    (2, 5, [[False], [False], [True], [True], [True]]),
+    (4, 3, [[False, False], [False, True], [False, True]]),
     (12, 4, [[False] * 3] * 4),
 ])
 def test_is_padding_marks_the_repeated_positions(n, world, expected):
@@ -48,7 +46,7 @@ def test_is_padding_marks_the_repeated_positions(n, world, expected):
         assert sampler.is_padding().tolist() == expected[rank]
 
 
-@pytest.mark.parametrize("n, world, drop_last", [(103, 4, False), (103, 4, True), (3, 5, False),
+@pytest.mark.parametrize("n, world, drop_last", [(103, 4, False), (103, 4, True), (5, 5, False),
                                                  (64, 8, False)])
 def test_shuffled_ranks_cover_every_example_once_besides_padding(n, world, drop_last):
     samplers = [DistributedSampler(n, world, r, shuffle=True, seed=7, drop_last=drop_last)
@@ -100,7 +98,9 @@ def test_defaults_come_from_jax_process_count_and_index():
     (dict(num_examples=0), ValueError, ["num_examples=0", "non-empty"]),
     (dict(num_examples=2.5), TypeError, ["num_examples=2.5", "int"]),
     (dict(num_examples=3, num_replicas=4, rank=0, drop_last=True), ValueError,
-     ["num_examples=3", "num_replicas=4", "drop_last=False"]),
+     ["num_examples=3", "num_replicas=4", "fewer processes"]),
+    (dict(num_examples=2, num_replicas=5, rank=0), ValueError,      # torch would pad ranks
+     ["num_examples=2", "num_replicas=5", "fewer processes"]),     # with nothing but repeats
     (dict(num_examples=10, num_replicas=0, rank=0), ValueError, ["num_replicas=0"]),
     (dict(num_examples=10, seed=-1), ValueError, ["seed=-1"]),
 ])
