@@ -7,6 +7,7 @@ without copying, by regrouping the same per-device buffers.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,13 +19,14 @@ AXIS = "batch"
 `nn.BatchNorm(axis_name=jdp.AXIS)`)."""
 
 
-def local_sharding() -> NamedSharding:
-    """Sharding that puts slice i of an array's leading axis on local device i.
+def local_sharding(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
+    """Sharding that puts slice i of an array's leading axis on device i of `devices`.
 
-    The device order is pmap's (`jax.local_devices()`), so arrays placed with it enter a
+    The default is pmap's order (`jax.local_devices()`), so arrays placed with it enter a
     pmapped step without a copy.
     """
-    return NamedSharding(Mesh(np.array(jax.local_devices()), (AXIS,)), PartitionSpec(AXIS))
+    devices = jax.local_devices() if devices is None else list(devices)
+    return NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
 
 
 def global_sharding() -> NamedSharding:

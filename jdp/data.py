@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jdp import _mesh, _prefetch, _sources
 from jdp._sources import ArraySource
@@ -179,13 +179,6 @@ def _check_transformed(fields: Any, size: int) -> dict:
     return dict(fields)
 
 
-def _sharding(devices: Sequence[jax.Device] | None) -> NamedSharding:
-    if devices is None:
-        return _mesh.local_sharding()
-    mesh = Mesh(np.array(list(devices)), (_mesh.AXIS,))
-    return NamedSharding(mesh, PartitionSpec(_mesh.AXIS))
-
-
 _STATE_CONFIG = ("num_examples", "num_replicas", "shuffle", "seed", "sampler_drop_last",
                  "batch_size", "drop_last")
 
@@ -244,7 +237,7 @@ class Loader:
                                      "pass the number of batches to prepare ahead (0: none)")
         self.timeout = timeout
         _check_loader_args(self, num_examples)
-        self._sharding = _sharding(devices)
+        self._sharding = _mesh.local_sharding(devices)
         self._epoch, self._step = self.sampler.epoch, 0
         self._active: weakref.ref | None = None
 

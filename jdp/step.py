@@ -148,16 +148,18 @@ def _parallelize(fn: Callable, donate_state: bool, backend: str) -> Callable:
     mode); the process-local arrays are regrouped into global ones and back, without copies.
     Both take and return the same `[local_devices, ...]` arrays.
     """
+    _checks.backend(backend)
     donate = (0,) if donate_state else ()
     if backend == "pmap":
         return jax.pmap(fn, axis_name=AXIS, donate_argnums=donate)
-    spec = _mesh.global_sharding().spec
+    sharding = _mesh.global_sharding()
+    spec = sharding.spec
 
     def per_block(state, batch):  # each device's block keeps a leading axis of 1
         out = fn(*jax.tree.map(lambda x: x[0], (state, batch)))
         return jax.tree.map(lambda x: x[None], out)
 
-    mapped = jax.jit(jax.shard_map(per_block, mesh=_mesh.global_sharding().mesh,
+    mapped = jax.jit(jax.shard_map(per_block, mesh=sharding.mesh,
                                    in_specs=(spec, spec), out_specs=spec),
                      donate_argnums=donate)
 
@@ -232,7 +234,6 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         >>> state, metrics = step(jdp.replicate(state), jdp.shard({"x": x, "y": y}))
     """
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight)
-    _checks.backend(backend)
     device_step = functools.partial(
         _device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
@@ -301,5 +302,4 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2,
         >>> accuracy = float(totals["correct"]) / float(totals["count"])
     """
     device_step = functools.partial(_device_eval_step, metric_fn=metric_fn)
-    _checks.backend(backend)
     return _make_step(device_step, donate=False, max_in_flight=max_in_flight, backend=backend)

@@ -51,6 +51,7 @@ def test_accum_steps_must_divide_the_per_device_batch(state):
     ({"grad_reduce": "avg"}, "grad_reduce='avg'"),
     ({"accum_steps": 0}, "accum_steps=0"),
     ({"model_state_sync": "max"}, "model_state_sync='max'"),
+    ({"backend": "xla"}, "backend='xla'"),
 ])
 def test_bad_options(options, match):
     with pytest.raises(ValueError, match=match):
