@@ -3,7 +3,6 @@
 The device count must be fixed before jax is imported, so it is set here at import time.
 """
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,10 +19,10 @@ NUM_DEVICES = 8
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the launcher's own pick)."""
+    from jdp._net import free_port as pick  # imported late: jax must see XLA_FLAGS first
+
+    return pick("127.0.0.1")
 
 
 def child_env(devices: int = 1, **extra: str) -> dict:
