@@ -7,12 +7,13 @@ without copying, by regrouping the same per-device buffers.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXIS = "batch"
 """Name of the device axis inside jdp's parallel steps (`lax.pmean(x, jdp.AXIS)`,
@@ -29,15 +30,41 @@ def local_sharding(devices: Sequence[jax.Device] | None = None) -> NamedSharding
     return NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
 
 
-def global_sharding() -> NamedSharding:
-    """One mesh axis over every device of every process (the local one on a single process).
+@functools.cache
+def mesh() -> Mesh:
+    """The data mesh: one axis, `jdp.AXIS`, over every device of every process.
 
-    Processes list their devices contiguously, by id, so every process builds the same mesh.
+    Devices are ordered process-major (a process's devices adjacent, by id), so every process
+    builds the same mesh and rank r's examples sit on rank r's devices; on one process the
+    order is `jax.local_devices()`, pmap's. The axis type is given explicitly (`Auto`: the
+    compiler places what the step does not) rather than left to `jax.make_mesh`'s default,
+    which changed in JAX 0.8.1. Built once per process.
+
+    Example:
+        >>> m = jdp.mesh()
+        >>> m.axis_names == (jdp.AXIS,) and m.size == jax.device_count()
+        True
     """
     if jax.process_count() == 1:
-        return local_sharding()
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+        devices = jax.local_devices()
+    else:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def replicated() -> NamedSharding:
+    """Every device of `mesh()` holds the whole array (the global layout's state)."""
+    return NamedSharding(mesh(), PartitionSpec())
+
+
+def batch_sharded() -> NamedSharding:
+    """The leading axis split over `mesh()` (the global layout's batches)."""
+    return NamedSharding(mesh(), PartitionSpec(AXIS))
+
+
+def global_sharding() -> NamedSharding:
+    """The stacked layout's `[devices, ...]` arrays seen globally: slice i on mesh device i."""
+    return batch_sharded()
 
 
 def _regroup(x: jax.Array, sharding: NamedSharding, leading: int) -> jax.Array:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdp import _checks, _mesh
-from jdp._mesh import AXIS
+from jdp._mesh import AXIS, mesh
 
 _MODEL_STATE_FIELDS = ("model_state", "batch_stats")
 
