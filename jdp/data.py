@@ -34,120 +34,23 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jdp import _mesh, _prefetch, _sources
+from jdp._sampler import DistributedSampler, _require_int
 from jdp._sources import ArraySource
 
 __all__ = ["ArraySource", "DistributedSampler", "Loader"]
 
 
-def _require_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{owner}: {name}={value!r} is a {type(value).__name__}; expected an "
-                        f"int: {fix}")
-    if value < minimum:
-        raise ValueError(f"{owner}: {name}={value}; expected an int >= {minimum}: {fix}")
-    return int(value)
-
-
-class DistributedSampler:
-    """The indices of one epoch that this process (rank) reads: torch's DistributedSampler.
-
-    Each of `num_replicas` ranks gets `len(sampler)` indices: the epoch's index list (a
-    permutation seeded by `seed + epoch` when `shuffle`, else `0..n-1`) is padded by repeating
-    it from its start up to a multiple of `num_replicas` (or, with `drop_last`, cut down to
-    one), and rank r takes `indices[r::num_replicas]`. The unshuffled lists equal torch's
-    exactly; the shuffled ones use `np.random.default_rng(seed + epoch).permutation(n)` instead of
-    torch's `randperm` (same on every process, but not torch's numbers).
-
-    Fewer examples than replicas is an error (torch's one case jdp refuses): some ranks
-    would get nothing but padding, or, with `drop_last`, every rank nothing at all.
-
-    Args:
-        num_examples: number of examples in the source (`len(source)`), at least 1.
-        num_replicas: number of ranks; default `jax.process_count()`.
-        rank: this rank, in `range(num_replicas)`; default `jax.process_index()`.
-        shuffle: permute the indices each epoch (seeded by `seed + epoch`).
-        seed: base seed, the same on every process.
-        drop_last: drop the tail that does not split evenly instead of padding.
-
-    Example:
-        >>> s = DistributedSampler(10, num_replicas=3, rank=1, shuffle=False)
-        >>> list(s), len(s)
-        ([1, 4, 7, 0], 4)
-    """
-
-    def __init__(self, num_examples: int, num_replicas: int | None = None,
-                 rank: int | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False):
-        owner = "DistributedSampler"
-        self.num_examples = _require_int(owner, "num_examples", num_examples, 1,
-                                         "pass len(source) of a non-empty source")
-        num_replicas = jax.process_count() if num_replicas is None else num_replicas
-        self.num_replicas = _require_int(owner, "num_replicas", num_replicas, 1,
-                                         "pass the number of processes (default: all)")
-        rank = jax.process_index() if rank is None else rank
-        self.rank = _require_int(owner, "rank", rank, 0, "pass rank in range(num_replicas)")
-        if self.rank >= self.num_replicas:
-            raise ValueError(f"{owner}: rank={self.rank} is not below num_replicas="
-                             f"{self.num_replicas}; pass rank in range({self.num_replicas})")
-        self.seed = _require_int(owner, "seed", seed, 0, "pass a non-negative seed")
-        self.shuffle, self.drop_last, self.epoch = bool(shuffle), bool(drop_last), 0
-        if self.num_examples < self.num_replicas:
-            raise ValueError(f"{owner}: num_examples={self.num_examples} < num_replicas="
-                             f"{self.num_replicas}: some ranks would get no example at all; "
-                             "use fewer processes or more data")
-        # torch: ceil((n - W) / W) with drop_last and a remainder, which is floor(n / W).
-        per_rank = (self.num_examples // self.num_replicas if self.drop_last
-                    else -(-self.num_examples // self.num_replicas))
-        self.num_samples = per_rank
-        self.total_size = per_rank * self.num_replicas
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use epoch `epoch`'s permutation (call it before each epoch when shuffling)."""
-        self.epoch = _require_int("DistributedSampler.set_epoch", "epoch", epoch, 0,
-                                  "pass the epoch number, counted from 0")
-
-    def indices(self) -> np.ndarray:
-        """This rank's indices for the current epoch, an int64 array of length `len(self)`."""
-        if self.shuffle:
-            order = np.random.default_rng(self.seed + self.epoch).permutation(self.num_examples)
-        else:
-            order = np.arange(self.num_examples)
-        # np.resize repeats `order` from its start: torch's padding, several times if needed.
-        order = np.resize(order, self.total_size).astype(np.int64)
-        return order[self.rank:self.total_size:self.num_replicas]
-
-    def is_padding(self) -> np.ndarray:
-        """Bool array aligned with `indices()`: True where the index is torch's padding.
-
-        Over all ranks, the positions where it is False hold every example exactly once.
-        """
-        return np.arange(self.rank, self.total_size, self.num_replicas) >= self.num_examples
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __repr__(self) -> str:
-        return (f"DistributedSampler(num_examples={self.num_examples}, num_replicas="
-                f"{self.num_replicas}, rank={self.rank}, shuffle={self.shuffle}, seed="
-                f"{self.seed}, drop_last={self.drop_last}, epoch={self.epoch})")
-
-
 class _Plan(NamedTuple):
-    """What the prefetch thread needs to build batch b of one epoch (no Loader reference)."""
+    """What building batch b of one epoch needs (no Loader reference; picklable for workers)."""
     read: _sources.Reader
     indices: np.ndarray
     real: np.ndarray
     batch_size: int
-    num_devices: int
     transform: Callable[[dict], dict] | None
-    sharding: NamedSharding
 
 
-def _device_batch(plan: _Plan, b: int) -> dict:
-    """Batch b of the plan: read, transform, split over devices, put on them."""
+def _host_batch(plan: _Plan, b: int) -> dict:
+    """Batch b of the plan as host numpy arrays `[batch_size, ...]`, mask included."""
     size = plan.batch_size
     idx = plan.indices[b * size:(b + 1) * size]
     real = plan.real[b * size:(b + 1) * size]
@@ -157,11 +60,31 @@ def _device_batch(plan: _Plan, b: int) -> dict:
     fields = plan.read(idx)
     if plan.transform is not None:
         fields = _check_transformed(plan.transform(fields), size)
-    fields = {**fields, _sources.MASK: real}
-    per_device = size // plan.num_devices
-    host = jax.tree.map(
-        lambda x: np.asarray(x).reshape(plan.num_devices, per_device, *np.shape(x)[1:]), fields)
-    return jax.device_put(host, plan.sharding)
+    return {**fields, _sources.MASK: real}
+
+
+LAYOUTS = ("pmap", "global")
+"""`Loader(layout=...)` values: stacked per-device arrays, or one global array per leaf."""
+
+
+def _placer(layout: str, devices: Sequence[jax.Device] | None) -> Callable[[dict], dict]:
+    """The function putting a host batch on the devices in `layout`."""
+    if layout == "global":
+        return functools.partial(_place_global, _mesh.batch_sharded())
+    return functools.partial(_place_stacked, _mesh.local_sharding(devices))
+
+
+def _place_stacked(sharding: NamedSharding, host: dict) -> dict:
+    """`[n * b, ...]` host rows as `[n, b, ...]`, slice i on device i (pmap's layout)."""
+    n = sharding.mesh.size
+    return jax.device_put(jax.tree.map(
+        lambda x: np.asarray(x).reshape(n, -1, *np.shape(x)[1:]), host), sharding)
+
+
+def _place_global(sharding: NamedSharding, host: dict) -> dict:
+    """This process's rows as its part of global `[batch_size * processes, ...]` arrays."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host)
 
 
 def _check_transformed(fields: Any, size: int) -> dict:
@@ -213,7 +136,12 @@ class Loader:
         prefetch: batches prepared and put on the devices ahead by a background thread; 0 reads
             in the consuming thread.
         devices: the devices to split over; default `jax.local_devices()` (pmap's order).
+            Only for `layout="pmap"`.
         timeout: seconds to wait for one batch before raising TimeoutError; None waits forever.
+        layout: "pmap" (default): leaves `[local_devices, per_device, ...]` as above. "global":
+            each leaf one global `jax.Array` `[batch_size * process_count, ...]` sharded along
+            `jdp.AXIS` over `jdp.mesh()` (`NamedSharding(mesh, P(AXIS))`), this process's rows
+            on its own devices, `batch["mask"]` `[global_batch]`: what a jit/shard_map step takes.
 
     Example:
         >>> loader = Loader({"x": np.zeros((100, 3)), "y": np.arange(100)}, batch_size=16)
@@ -226,9 +154,10 @@ class Loader:
                  *, shuffle: bool | None = None, seed: int | None = None,
                  transform: Callable[[dict], dict] | None = None, drop_last: bool = False,
                  prefetch: int = 2, devices: Sequence[jax.Device] | None = None,
-                 timeout: float | None = 300.0):
+                 timeout: float | None = 300.0, layout: str = "pmap"):
         num_examples, self._read = _sources.make_reader(source)
         self.sampler = _default_sampler(sampler, num_examples, shuffle, seed)
+        self.layout = _check_layout(layout, devices)
         self.devices = list(jax.local_devices() if devices is None else devices)
         self.batch_size = _require_int("Loader", "batch_size", batch_size, 1,
                                        "pass the number of examples per batch on this process")
@@ -237,7 +166,7 @@ class Loader:
                                      "pass the number of batches to prepare ahead (0: none)")
         self.timeout = timeout
         _check_loader_args(self, num_examples)
-        self._sharding = _mesh.local_sharding(devices)
+        self._place = _placer(self.layout, devices)
         self._epoch, self._step = self.sampler.epoch, 0
         self._active: weakref.ref | None = None
 
@@ -279,8 +208,12 @@ class Loader:
 
     def _iterate(self) -> Iterator[dict]:
         plan = _Plan(self._read, self.sampler.indices(), ~self.sampler.is_padding(),
-                     self.batch_size, len(self.devices), self.transform, self._sharding)
-        build = functools.partial(_device_batch, plan)
+                     self.batch_size, self.transform)
+        place = self._place
+
+        def build(b: int) -> dict:
+            return place(_host_batch(plan, b))
+
         items = range(self._step, len(self))
         with contextlib.closing(_prefetch.prefetched(build, items, self.prefetch,
                                                      self.timeout)) as batches:
@@ -363,6 +296,16 @@ def _default_sampler(sampler: DistributedSampler | None, num_examples: int,
         raise ValueError(f"Loader: the sampler covers num_examples={sampler.num_examples} but "
                          f"the source has {num_examples}; build the sampler with len(source)")
     return sampler
+
+
+def _check_layout(layout: Any, devices: Sequence[jax.Device] | None) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"Loader: layout={layout!r}; expected one of {LAYOUTS} ('pmap': "
+                         "[local_devices, per_device, ...] arrays, 'global': [global_batch, ...])")
+    if layout == "global" and devices is not None:
+        raise ValueError("Loader: devices= was given with layout='global', whose batches are "
+                         "split over jdp.mesh(); drop devices= or use layout='pmap'")
+    return layout
 
 
 def _check_loader_args(loader: Loader, num_examples: int) -> None:

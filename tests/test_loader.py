@@ -346,3 +346,28 @@ def test_array_source_counts_examples_and_reads_like_the_dict(source):
     assert len(wrapped) == N and wrapped[5]["id"] == 5
     assert [e["id"] for e in wrapped.__getitems__([3, 1])] == [3, 1]
     assert ids(make(wrapped)) == ids(make(source))
+
+
+def test_global_layout_is_the_pmap_batch_flattened_into_one_array_sharded_over_the_mesh(source):
+    from jdp._mesh import batch_sharded
+
+    stacked = list(make(source, rank=1))
+    flat = list(make(source, rank=1, layout="global"))
+    assert len(flat) == len(stacked) == 4
+    for g, p in zip(flat, stacked, strict=True):
+        assert set(g) == {"x", "id", "mask"}
+        for key in g:
+            assert isinstance(g[key], jax.Array) and g[key].shape[0] == BATCH
+            assert g[key].sharding == batch_sharded()
+            want = np.asarray(p[key]).reshape(BATCH, *p[key].shape[2:])
+            np.testing.assert_array_equal(np.asarray(g[key]), want)
+        # row j lives on device j // 4 of the mesh, as in the pmap layout
+        for shard in g["id"].addressable_shards:
+            device_slot = jax.local_devices().index(shard.device)
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(p["id"])[device_slot])
+
+
+def test_layout_is_checked_and_devices_only_go_with_pmap(source):
+    one_line_error(ValueError, ["layout='stacked'", "'global'"], make, source, layout="stacked")
+    one_line_error(ValueError, ["devices=", "layout='global'"], make, source, layout="global",
+                   devices=jax.local_devices())
