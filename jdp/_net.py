@@ -59,6 +59,28 @@ def port_problem(host: str, port: int, what: str = "MASTER_PORT") -> str | None:
     return None
 
 
+def resolves(host: str) -> bool:
+    """Does `host` (a name or an address) resolve to a TCP address?"""
+    try:
+        _resolve(host, 0)
+    except (OSError, UnicodeError):
+        return False
+    return True
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """("host", port) from "host:port" / "[v6]:port" (the inverse of join_host_port).
+
+    Raises:
+        ValueError: naming `address` when it is not of that form with a port in 1..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"coordinator address {address!r} is not 'host:port' with a port in "
+                         "1..65535; set MASTER_ADDR and MASTER_PORT (e.g. 127.0.0.1 and 29500)")
+    return host.strip("[]"), int(port)
+
+
 def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
     """Try to connect to `host:port` until it accepts or `timeout_s` passes.
 

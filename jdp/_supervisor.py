@@ -3,34 +3,42 @@
 Every rank is a subprocess in its own session (process group), so a signal to the group
 reaches anything the rank started too. A waiter thread per rank reports its exit the moment
 it happens, in order (and a rank whose collective lost a peer lingers a moment before leaving,
-see jdp/_run.py), so the failure reported is the first one, the cause, not its echo in the
-peers. On the first non-zero exit the loop stops every other rank
-(SIGTERM, SIGKILL after a short grace period) and reports the failed rank's exit code or
-signal and the tail of its stderr. SIGINT/SIGTERM to the supervisor are forwarded to every
-rank the same way. Ranks are started through jdp/_run.py, which on Linux sets
-PR_SET_PDEATHSIG, so a rank dies with the supervisor even if that is SIGKILLed.
+see jdp/_exit.py), so the failure reported is the first one, the cause, not its echo in the
+peers. On the first non-zero exit the loop stops every other rank (SIGTERM, SIGKILL after a
+short grace period) and reports the failed rank's exit code or signal and the tail of its
+stderr. With a progress timeout it also runs the watchdog (jdp/_watchdog.py) and stops a job
+that no longer moves. SIGTERM to the supervisor is a stop request (preemption): it is
+forwarded to every rank, which may save and leave within the stop grace period before
+SIGKILL; SIGINT is forwarded with the short grace. Ranks are started through jdp/_run.py,
+which on Linux sets PR_SET_PDEATHSIG, so a rank dies with the supervisor even if that is
+SIGKILLed.
 """
 from __future__ import annotations
 
 import collections
 import os
 import queue
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from jdp import _malloc, _run
+from jdp import _env, _exit, _malloc, _progress, _watchdog
 
-GRACE_S = 3.0        # SIGTERM -> SIGKILL; keeps "all gone" well under 5 s
+GRACE_S = 3.0        # SIGTERM -> SIGKILL after a failure; keeps "all gone" well under 5 s
+STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL after a stop request: time to save a checkpoint
 POLL_S = 0.05        # how often the loop looks at signals and deadlines
 TAIL_LINES = 20      # lines of the failed rank's stderr in the summary
-RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "JDP_RESTART_COUNT")
 _HOST_DEVICES = "--xla_force_host_platform_device_count"
+# Lines kept out of the console (they stay in the per-rank log files): gloo's connection
+# chatter, one line per rank per job.
+_CONSOLE_NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 _console_lock = threading.Lock()
 
 
@@ -48,6 +56,14 @@ class Output(NamedTuple):
     append: bool = False         # append to the log files (restarts) instead of truncating
 
 
+class Limits(NamedTuple):
+    """The supervisor's clocks, in seconds (None: no limit)."""
+    grace_s: float = GRACE_S                  # after a failure or SIGINT, before SIGKILL
+    stop_grace_s: float = STOP_GRACE_S        # after a SIGTERM stop request, before SIGKILL
+    timeout_s: float | None = None            # the whole run
+    progress_timeout_s: float | None = None   # no rank making progress (the watchdog)
+
+
 class Outcome(NamedTuple):
     """How a supervised run ended."""
     failed_rank: int | None      # the first rank to exit non-zero; None if none did
@@ -56,6 +72,8 @@ class Outcome(NamedTuple):
     signal: int | None = None    # a signal that made the supervisor stop everything
     timed_out: bool = False      # the run outlived its time limit and was stopped
     seconds: float = 0.0         # from the start to the failure, signal or deadline
+    stall: tuple | None = None   # (every rank's RankProgress, rank -> stack dump): watchdog
+    killed: tuple = ()           # ranks still running at the end of a stop grace period
 
 
 class _Rank(NamedTuple):
@@ -73,12 +91,13 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
     Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
     JDP_RESTART_COUNT and PYTHONUNBUFFERED=1; with `devices_per_process`, XLA_FLAGS gets
     --xla_force_host_platform_device_count=k (simulated CPU devices); glibc's allocator
-    settings of `jdp._malloc` unless JDP_MALLOC_TUNING=0 or the user set them.
+    settings of `jdp._malloc` unless JDP_MALLOC_TUNING=0 or the user set them. Variables
+    meant for one supervisor's own ranks are dropped from `base`.
     """
-    env = {k: v for k, v in base.items() if k != _run.ERROR_FILE_ENV}
+    env = {k: v for k, v in base.items() if k not in _env.INTERNAL_VARS}
     values = (rank, local_rank, world_size, local_world_size, node_rank, master_addr,
               master_port, restart_count)
-    env.update({k: str(v) for k, v in zip(RANK_ENV, values, strict=True)})
+    env.update({k: str(v) for k, v in zip(_env.RANK_VARS, values, strict=True)})
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES)]
@@ -90,8 +109,8 @@ CONSOLE = Output()
 """Ranks' output on the console only (the default)."""
 
 
-def run(specs: Sequence[RankSpec], output: Output = CONSOLE, *, grace_s: float = GRACE_S,
-        timeout_s: float | None = None) -> Outcome:
+def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = Limits()
+        ) -> Outcome:
     """Start every rank, supervise them to the end, and leave no process behind.
 
     SIGINT and SIGTERM received meanwhile (main thread only) are forwarded to every rank.
@@ -99,44 +118,52 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, *, grace_s: float =
     Args:
         specs: one RankSpec per rank.
         output: where the ranks' stdout/stderr go.
-        grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
-        timeout_s: stop everything after this many seconds (None: no limit).
+        limits: grace periods, the run's time limit and the progress timeout.
 
     Returns:
-        An Outcome: the first failed rank and its code, or the signal / timeout that ended it.
+        An Outcome: the first failed rank and its code, or the signal, deadline or stall that
+        ended it.
     """
     received: list = []
     restore = _catch_signals(received)
     ranks: list = []
     start = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="jdp-watch-") if limits.progress_timeout_s else None
     try:
         events: queue.Queue = queue.Queue()
         for spec in specs:
-            ranks.append(_start(spec, output, events))
-        outcome = _supervise(ranks, events, received, grace_s, timeout_s, start)
+            ranks.append(_start(spec, output, events, workdir))
+        watchdog = None if workdir is None else _watchdog.Watchdog(
+            {r.spec.rank: _slot_path(workdir, r.spec.rank) for r in ranks},
+            limits.progress_timeout_s)
+        outcome = _supervise(ranks, events, received, limits, watchdog, start)
     finally:
-        _stop(ranks, signal.SIGTERM, grace_s)
+        _stop(ranks, signal.SIGTERM, limits.grace_s)
         restore()
         for r in ranks:
             for t in r.threads:
                 t.join(timeout=1.0)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     return outcome._replace(tail=list(outcome.tail))
 
 
-def _supervise(ranks: list, events: queue.Queue, received: list, grace_s: float,
-               timeout_s: float | None, start: float) -> Outcome:
-    """The loop: wait for exits; on the first failure, signal or deadline, stop all ranks."""
+def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
+               watchdog: _watchdog.Watchdog | None, start: float) -> Outcome:
+    """The loop: wait for exits; on the first failure, signal, deadline or stall, stop all."""
     running = {r.spec.rank for r in ranks}
     by_rank = {r.spec.rank: r for r in ranks}
-    deadline = None if timeout_s is None else start + timeout_s
+    deadline = None if limits.timeout_s is None else start + limits.timeout_s
     while running:
         now = time.monotonic()
         if received:
-            _stop(ranks, received[0], grace_s)
-            return Outcome(None, 0, [], signal=received[0], seconds=now - start)
+            return _stop_requested(ranks, received, limits, now - start)
         if deadline is not None and now > deadline:
-            _stop(ranks, signal.SIGTERM, grace_s)
+            _stop(ranks, signal.SIGTERM, limits.grace_s)
             return Outcome(None, 0, [], timed_out=True, seconds=now - start)
+        progress = watchdog.stalled(now) if watchdog is not None else None
+        if progress is not None:
+            return _stalled(ranks, progress, limits, now - start)
         try:
             rank, code = events.get(timeout=POLL_S)
         except queue.Empty:
@@ -144,7 +171,7 @@ def _supervise(ranks: list, events: queue.Queue, received: list, grace_s: float,
         running.discard(rank)
         if code != 0:
             seconds = time.monotonic() - start
-            _stop(ranks, signal.SIGTERM, grace_s)
+            _stop(ranks, signal.SIGTERM, limits.grace_s)
             failed = by_rank[rank]
             for t in failed.threads:
                 t.join(timeout=1.0)   # the rest of its stderr, for the tail
@@ -152,10 +179,66 @@ def _supervise(ranks: list, events: queue.Queue, received: list, grace_s: float,
     return Outcome(None, 0, [], seconds=time.monotonic() - start)
 
 
-def _start(spec: RankSpec, output: Output, events: queue.Queue) -> _Rank:
+def _stop_requested(ranks: list, received: list, limits: Limits, seconds: float) -> Outcome:
+    """Forward a stop signal to every rank and give them their grace period to leave.
+
+    SIGTERM gets the stop grace (ranks may reach an agreed step and save a checkpoint); SIGINT,
+    or a second signal during the grace period, the short one.
+    """
+    sig = received[0]
+    grace = limits.stop_grace_s if sig == signal.SIGTERM else limits.grace_s
+    for r in ranks:
+        if r.proc.returncode is None:
+            _signal_group(r.proc.pid, sig)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and len(received) == 1 and _alive(ranks):
+        time.sleep(POLL_S)
+    killed = tuple(r.spec.rank for r in _alive(ranks))
+    _stop(ranks, sig, limits.grace_s if len(received) > 1 else 0.0)
+    return Outcome(None, 0, [], signal=sig, seconds=seconds, killed=killed)
+
+
+def _stalled(ranks: list, progress: list, limits: Limits, seconds: float) -> Outcome:
+    """The watchdog fired: collect the stacks of the ranks behind, then stop every rank."""
+    late = _watchdog.behind(progress)[:_watchdog.MAX_STACKS]
+    by_rank = {r.spec.rank: r for r in ranks}
+    pids = {p.rank: by_rank[p.rank].proc.pid for p in late
+            if by_rank[p.rank].proc.returncode is None}
+    stacks = _watchdog.dump_stacks(pids, {rank: _stack_path(by_rank[rank].spec.env)
+                                          for rank in pids})
+    _stop(ranks, signal.SIGTERM, limits.grace_s)
+    return Outcome(None, 0, [], seconds=seconds, stall=(progress, stacks))
+
+
+def _alive(ranks: list) -> list:
+    return [r for r in ranks if r.proc.returncode is None]
+
+
+def _slot_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"progress.{rank}")
+
+
+def _stack_path(env: Mapping[str, str]) -> str:
+    return env.get(_env.STACK_FILE, "")
+
+
+def _watch_files(workdir: str | None, rank: int) -> dict:
+    """The rank's progress slot (created empty here) and stack-dump file, as env variables."""
+    if workdir is None:
+        return {}
+    slot = _slot_path(workdir, rank)
+    with open(slot, "wb") as f:
+        f.write(bytes(_progress.SLOT_SIZE))
+    return {_env.PROGRESS_FILE: slot,
+            _env.STACK_FILE: os.path.join(workdir, f"stacks.{rank}")}
+
+
+def _start(spec: RankSpec, output: Output, events: queue.Queue, workdir: str | None) -> _Rank:
     """Start one rank in its own session with piped output, plus its pump and waiter threads."""
     files = _open_logs(output, spec.rank)
-    env = {**spec.env, _run.SUPERVISOR_ENV: str(os.getpid())}   # jdp/_run.py: die with us
+    env = {**spec.env, **_watch_files(workdir, spec.rank),
+           _env.SUPERVISOR_PID: str(os.getpid())}   # jdp/_run.py: die with us
+    spec = spec._replace(env=env)
     proc = subprocess.Popen(list(spec.cmd), env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -189,15 +272,18 @@ def _pump(pipe: IO[bytes], file: IO[str] | None, console: bool, stream: str, pre
     """Copy a rank's output line by line to its log file and/or our console (prefixed).
 
     Reads to the end even when a destination fails, so a rank never blocks on a full pipe.
+    gloo's connection lines go to the file only.
     """
     with pipe:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace")
             line = line if line.endswith("\n") else line + "\n"
-            if tail is not None:
-                tail.append(line.rstrip("\n"))
             if file is not None:
                 file = _write(file, line)
+            if _CONSOLE_NOISE.match(line):
+                continue
+            if tail is not None:
+                tail.append(line.rstrip("\n"))
             if console:
                 target = sys.stdout if stream == "stdout" else sys.stderr
                 with _console_lock:
@@ -222,12 +308,12 @@ def _stop(ranks: list, sig: int, grace_s: float) -> None:
         if r.proc.returncode is None:
             _signal_group(r.proc.pid, sig)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(r.proc.returncode is None for r in ranks):
+    while time.monotonic() < deadline and _alive(ranks):
         time.sleep(0.01)
     for r in ranks:           # also grandchildren that outlived their rank
         _signal_group(r.proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and any(r.proc.returncode is None for r in ranks):
+    while time.monotonic() < deadline and _alive(ranks):
         time.sleep(0.01)
 
 
@@ -253,26 +339,11 @@ def _catch_signals(received: list):
     return restore
 
 
-def exit_status(returncode: int) -> int:
-    """A shell-style exit status: the code itself, or 128+N for death by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def describe_exit(returncode: int) -> str:
-    """'exit code 3' or 'signal SIGKILL (exit status 137)'."""
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = str(-returncode)
-    return f"signal {name} (exit status {exit_status(returncode)})"
-
-
 def summary(outcome: Outcome, who: str, world: int) -> str:
     """Multi-line report of a failed run: rank, code or signal, and its stderr tail."""
-    lines = [f"{who}: rank {outcome.failed_rank} failed with {describe_exit(outcome.returncode)}"
-             f" after {outcome.seconds:.1f} s; stopped the other {world - 1} rank(s)."]
+    lines = [f"{who}: rank {outcome.failed_rank} failed with "
+             f"{_exit.describe_exit(outcome.returncode)} after {outcome.seconds:.1f} s; "
+             f"stopped the other {world - 1} rank(s)."]
     if outcome.tail:
         lines.append(f"{who}: last {len(outcome.tail)} line(s) of rank {outcome.failed_rank}'s "
                      "stderr:")

@@ -21,12 +21,13 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax._src import distributed as _jax_distributed  # private: the job's record and client
-from jax._src import xla_bridge as _xla_bridge  # private: has a backend started yet?
+# Private, for want of a public API: JAX exposes no handle on the coordination-service client
+# of `jax.distributed` (wanted: its timed `wait_at_barrier`; multihost_utils.sync_global_devices
+# is a device collective with no timeout) nor the coordinator address a job was started with.
+from jax._src import distributed as _jax_distributed
 from jax.experimental import multihost_utils
 
-from jdp import _malloc, _net
-from jdp._run import report_failure
+from jdp import _env, _exit, _malloc, _net
 
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30
@@ -93,8 +94,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         2
     """
     env = os.environ
-    if not _xla_bridge.backends_are_initialized():
-        _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp/_malloc.py
+    _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp/_malloc.py
     timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
                 (("initialization_timeout", initialization_timeout),
                  ("heartbeat_timeout", heartbeat_timeout), ("shutdown_timeout", shutdown_timeout))}
@@ -102,9 +102,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                  cluster_detection_method, env)
     if plan is None or _already_initialized(plan):
         return
-    if _xla_bridge.backends_are_initialized():
-        raise RuntimeError("jdp.initialize() must run before anything uses a JAX device "
-                           "(jax.devices(), creating an array, jit, ...); call it first in main")
     _connect(plan, **timeouts)
     _install_fail_fast_excepthook()
 
@@ -131,7 +128,7 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
         raise ValueError(f"RANK / process_id={process_id} is outside 0..{num_processes - 1} "
                          f"(WORLD_SIZE={num_processes}); give each process a distinct RANK below "
                          "WORLD_SIZE")
-    _net_split(coordinator_address)
+    _net.split_host_port(coordinator_address)
     return _Plan(coordinator_address, num_processes, process_id,
                  _local_devices(local_device_ids, env), None)
 
@@ -186,7 +183,10 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
     """Check the coordinator port, then call `jax.distributed.initialize`."""
     bind, timeout = None, initialization_timeout
     if plan.coordinator is not None:
-        host, port = _net_split(plan.coordinator)
+        host, port = _net.split_host_port(plan.coordinator)
+        if not _net.resolves(host):
+            raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address; set it to "
+                             "the IP address or host name of the machine that runs process 0")
         if plan.process_id == 0:
             problem = _net.port_problem(host, port)
             if problem:
@@ -200,7 +200,7 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
         jax.config.update("jax_enable_preemption_service", False)
     hint = _abort_hint(plan, timeout) if plan.coordinator is not None else None
     try:
-        jax.distributed.initialize(
+        _jax_initialize(
             coordinator_address=plan.coordinator, num_processes=plan.num_processes,
             process_id=plan.process_id, local_device_ids=plan.local_device_ids,
             cluster_detection_method=None if plan.cluster == "auto" else plan.cluster,
@@ -209,6 +209,18 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
     finally:
         if hint is not None:
             hint.cancel()
+
+
+def _jax_initialize(**kwargs) -> None:
+    """`jax.distributed.initialize`, with its "too late" RuntimeError saying what to do."""
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        if "before any JAX" not in str(e) and "must be called before" not in str(e):
+            raise
+        raise RuntimeError("jdp.initialize() must run before anything uses a JAX device "
+                           "(jax.devices(), creating an array, jit, ...); call it first in "
+                           "main") from None
 
 
 def _await_coordinator(host: str, port: int, plan: _Plan, timeout: int) -> int:
@@ -269,7 +281,7 @@ def _install_fail_fast_excepthook() -> None:
     previous = sys.excepthook
 
     def fail_fast(exc_type, exc, tb):
-        report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
+        _exit.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
 
     fail_fast._jdp_previous = previous  # type: ignore[attr-defined]
     sys.excepthook = fail_fast
@@ -377,12 +389,3 @@ def _env_int(env: Mapping[str, str], name: str, meaning: str) -> int:
     if value < 0:
         raise ValueError(f"{name}={value} is negative; it must be {meaning}")
     return value
-
-
-def _net_split(address: str) -> tuple[str, int]:
-    """("host", port) from "host:port" / "[v6]:port"; ValueError naming a malformed one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"coordinator address {address!r} is not 'host:port' with a port in "
-                         "1..65535; set MASTER_ADDR and MASTER_PORT (e.g. 127.0.0.1 and 29500)")
-    return host.strip("[]"), int(port)

@@ -7,15 +7,17 @@ as one fails, exiting with that rank's own exit code. The help text below is the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 
-from jdp import _net, _run, _supervisor
+from jdp import _env, _exit, _net, _supervisor, _watchdog
 
-RUNNER = _run.__file__   # run by path: see jdp/_run.py
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
 WHO = "jdp.launch"
 
 DESCRIPTION = """\
@@ -42,6 +44,7 @@ environment of each process:
   JDP_RESTART_COUNT  0 on the first attempt, k on the k-th restart (--max_restarts)
   PYTHONUNBUFFERED   1, so output arrives line by line
   XLA_FLAGS          with --devices_per_process k: --xla_force_host_platform_device_count=k
+  JAX_COMPILATION_CACHE_DIR  see "compilation cache" below
   jdp.initialize also reads JDP_INIT_TIMEOUT (60), JDP_HEARTBEAT_TIMEOUT (30) and
   JDP_SHUTDOWN_TIMEOUT (300) seconds from the environment you launch with.
 
@@ -57,11 +60,39 @@ failures:
   its exit code or signal and the last 20 lines of its stderr, and exits with that rank's
   exit code (128+N for death by signal N). Python scripts run through a small wrapper that
   makes a failing rank exit at once with its own code (JAX's exit handler would otherwise
-  wait for the other ranks). SIGINT/SIGTERM to the launcher are passed on to every process
-  (then SIGKILL after 3 s) and it exits with 128+N. Every process also dies if the launcher
-  is killed (Linux).
+  wait for the other ranks). Every process also dies if the launcher is killed (Linux).
 
-exit status: 0 when every process exits 0; the failed rank's status; 2 for bad arguments.
+stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S):
+  jdp's train_step, eval_step, Loader and Checkpointer record each rank's progress (steps run
+  and phase: step, data, eval, checkpoint) in a memory-mapped file the launcher reads. Once a
+  rank has recorded anything (start-up and the first compilation are not timed), S seconds
+  without progress on any rank stop the job: the launcher names the ranks behind ("rank 1
+  stuck at step 5 in phase data; rank 0 waiting at step 6"), prints their Python stacks
+  (faulthandler, through SIGUSR1), stops every rank and exits with status 124 (after
+  --max_restarts restarts, like any failure). Off by default.
+
+stop requests (preemption):
+  SIGTERM to the launcher is forwarded to every rank. A script whose loop asks
+  jdp.preempted() catches it: every rank sees preempted() turn True at the same step, saves
+  a checkpoint there and leaves. Ranks still running --stop_grace seconds later (default 30,
+  or JDP_STOP_GRACE) are killed. The launcher then exits with 143 (128+15) and does not
+  restart. SIGTERM sent to a single rank stops the whole job the same way; the launcher
+  exits 0 when every rank then exits 0. SIGINT (Ctrl-C) is forwarded, SIGKILL after 3 s.
+
+restarts (--max_restarts K):
+  After a failure every process is stopped and all are started again, up to K times, with
+  JDP_RESTART_COUNT set to the round. Each node's launcher restarts its own processes.
+
+compilation cache:
+  The processes share JAX's persistent compilation cache, so a restarted process loads its
+  compiled steps instead of compiling again: JAX_COMPILATION_CACHE_DIR is set to
+  DIR/compilation_cache with --logdir DIR, else to a temporary directory that lives as long
+  as the launcher (kept across restarts, removed at exit). Entries are cached whatever their
+  compile time. Set JAX_COMPILATION_CACHE_DIR yourself to choose (and keep) the directory,
+  or pass --compilation_cache off.
+
+exit status: 0 when every process exits 0; the failed rank's status; 124 when the progress
+watchdog stopped the job; 128+N after signal N to the launcher; 2 for bad arguments.
 """
 
 
@@ -91,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="K",
                    help="after a failure, stop all processes and start all again, up to K times\n"
                         "(default 0); each node restarts its own processes")
+    p.add_argument("--progress_timeout", "--progress-timeout", type=float,
+                   default=None, metavar="S",
+                   help="stop the job when no rank made progress for S seconds (default off;\n"
+                        "env JDP_PROGRESS_TIMEOUT); see 'stuck ranks' below")
+    p.add_argument("--stop_grace", "--stop-grace", type=float,
+                   default=None, metavar="S", help="after SIGTERM, seconds the processes get to save and leave\n"
+                                     "before SIGKILL (default 30; env JDP_STOP_GRACE)")
+    p.add_argument("--compilation_cache", "--compilation-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache directory, or 'off'\n"
+                        "(default: see 'compilation cache' below)")
     p.add_argument("--devices_per_process", type=int, default=None, metavar="k",
                    help="give each process k simulated CPU devices (testing without GPUs)")
     p.add_argument("script", help="the training script (or module with -m, program with\n"
@@ -123,6 +164,11 @@ def _problem(args: argparse.Namespace) -> str | None:
         return f"--devices_per_process {args.devices_per_process}: must be >= 1"
     if args.max_restarts < 0:
         return f"--max_restarts {args.max_restarts}: must be >= 0"
+    problem = _seconds_problem(args, "progress_timeout", _env.PROGRESS_TIMEOUT, None)
+    problem = problem or _seconds_problem(args, "stop_grace", _env.STOP_GRACE,
+                                          _supervisor.STOP_GRACE_S)
+    if problem:
+        return problem
     if args.redirect_stdout_and_stderr and args.logdir is None:
         return "--redirect_stdout_and_stderr needs --logdir DIR (where the output goes)"
     if args.nnodes > 1 and args.master_port is None:
@@ -130,7 +176,27 @@ def _problem(args: argparse.Namespace) -> str | None:
                 "the same port (e.g. --master_port 29500)")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         return f"--master_port {args.master_port}: must be in 1..65535"
+    if not _net.resolves(args.master_addr):
+        return (f"--master_addr {args.master_addr!r} does not resolve to an address; give the "
+                "IP address or host name of node 0")
     return _script_problem(args) or _port_problem(args)
+
+
+def _seconds_problem(args: argparse.Namespace, name: str, env_name: str,
+                     default: float | None) -> str | None:
+    """Fill in option `name` from `env_name` (or `default`); a message if it is not > 0 s."""
+    value, source = getattr(args, name), f"--{name}"
+    if value is None and os.environ.get(env_name):
+        raw, source = os.environ[env_name], env_name
+        try:
+            value = float(raw)
+        except ValueError:
+            return f"{env_name}={raw!r} is not a number of seconds; e.g. {env_name}=600"
+    value = default if value is None else value
+    if value is not None and not value > 0:
+        return f"{source} {value:g}: must be a number of seconds > 0"
+    setattr(args, name, value)
+    return None
 
 
 def _script_problem(args: argparse.Namespace) -> str | None:
@@ -163,14 +229,15 @@ def command(args: argparse.Namespace) -> list:
     return [sys.executable, "-u", RUNNER, *target, *args.script_args]
 
 
-def rank_specs(args: argparse.Namespace, port: int, attempt: int) -> list:
+def rank_specs(args: argparse.Namespace, port: int, attempt: int,
+               extra_env: dict | None = None) -> list:
     """One RankSpec per local process, each with its environment built by rank_env."""
     world = args.nnodes * args.nproc_per_node
     specs = []
     for local in range(args.nproc_per_node):
         rank = args.node_rank * args.nproc_per_node + local
         env = _supervisor.rank_env(
-            os.environ, rank=rank, local_rank=local, world_size=world,
+            {**os.environ, **(extra_env or {})}, rank=rank, local_rank=local, world_size=world,
             local_world_size=args.nproc_per_node, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=port, restart_count=attempt,
             devices_per_process=args.devices_per_process)
@@ -178,26 +245,77 @@ def rank_specs(args: argparse.Namespace, port: int, attempt: int) -> list:
     return specs
 
 
+EXIT_STALLED = 124   # the progress watchdog stopped the job (as coreutils' `timeout`)
+
+
 def launch(args: argparse.Namespace) -> int:
     """Run the job, restarting it up to args.max_restarts times; return the exit status."""
-    world = args.nnodes * args.nproc_per_node
-    for attempt in range(args.max_restarts + 1):
-        port = args.master_port or _net.free_port(args.master_addr)
-        output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
-                                    append=attempt > 0)
-        outcome = _supervisor.run(rank_specs(args, port, attempt), output)
-        if outcome.signal is not None:
-            print(f"{WHO}: received {signal.Signals(outcome.signal).name}; stopped all "
-                  f"{args.nproc_per_node} process(es).", file=sys.stderr, flush=True)
-            return 128 + outcome.signal
-        if outcome.failed_rank is None:
-            return 0
-        print(_supervisor.summary(outcome, WHO, min(world, args.nproc_per_node)),
-              file=sys.stderr, flush=True)
-        if attempt < args.max_restarts:
-            print(f"{WHO}: restarting all processes (restart {attempt + 1} of "
-                  f"{args.max_restarts}).", file=sys.stderr, flush=True)
-    return _supervisor.exit_status(outcome.returncode)
+    limits = _supervisor.Limits(stop_grace_s=args.stop_grace,
+                                progress_timeout_s=args.progress_timeout)
+    with _compilation_cache(args) as cache_env:
+        for attempt in range(args.max_restarts + 1):
+            port = args.master_port or _net.free_port(args.master_addr)
+            output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
+                                        append=attempt > 0)
+            specs = rank_specs(args, port, attempt, cache_env)
+            outcome = _supervisor.run(specs, output, limits)
+            if outcome.signal is not None:
+                _say(_stopped_message(outcome, args))
+                return 128 + outcome.signal
+            if outcome.failed_rank is None and outcome.stall is None:
+                return 0
+            _say(_failure_report(outcome, args))
+            if attempt < args.max_restarts:
+                _say(f"{WHO}: restarting all processes (restart {attempt + 1} of "
+                     f"{args.max_restarts}).")
+    return EXIT_STALLED if outcome.stall else _exit.exit_status(outcome.returncode)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _failure_report(outcome: _supervisor.Outcome, args: argparse.Namespace) -> str:
+    """The console summary of a failed rank or of a stall."""
+    if outcome.stall is None:
+        return _supervisor.summary(outcome, WHO, args.nproc_per_node)
+    progress, stacks = outcome.stall
+    text = _watchdog.report(WHO, progress, stacks, args.progress_timeout)
+    return (f"{text}\n{WHO}: stopped all {args.nproc_per_node} process(es) after "
+            f"{outcome.seconds:.1f} s (exit status {EXIT_STALLED}).")
+
+
+def _stopped_message(outcome: _supervisor.Outcome, args: argparse.Namespace) -> str:
+    """What happened after SIGINT/SIGTERM to the launcher: who left in time, who was killed."""
+    name = signal.Signals(outcome.signal).name
+    if not outcome.killed:
+        return (f"{WHO}: received {name}; passed it on; all {args.nproc_per_node} process(es) "
+                "have stopped.")
+    ranks = ", ".join(map(str, outcome.killed))
+    grace = args.stop_grace if outcome.signal == signal.SIGTERM else _supervisor.GRACE_S
+    return (f"{WHO}: received {name}; passed it on; rank(s) {ranks} still ran {grace:g} s "
+            "later and were killed (--stop_grace).")
+
+
+@contextlib.contextmanager
+def _compilation_cache(args: argparse.Namespace):
+    """The environment that turns on JAX's persistent compilation cache for every process.
+
+    Yields {} when the user chose the directory already (JAX_COMPILATION_CACHE_DIR) or said
+    --compilation_cache off. A temporary directory lives as long as the launcher.
+    """
+    if args.compilation_cache == "off" or _env.COMPILATION_CACHE in os.environ:
+        yield {}
+        return
+    settings = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    chosen = args.compilation_cache or (
+        os.path.join(args.logdir, "compilation_cache") if args.logdir else None)
+    if chosen:
+        yield {_env.COMPILATION_CACHE: os.path.abspath(chosen), **settings}
+        return
+    with tempfile.TemporaryDirectory(prefix="jdp-compilation-cache-") as tmp:
+        yield {_env.COMPILATION_CACHE: tmp, **settings}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -17,9 +17,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jdp import _net, _run, _supervisor
+from jdp import _env, _exit, _net, _supervisor, _watchdog
 
 WHO = "jdp.spawn"
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
 
 
 class ProcessException(RuntimeError):
@@ -44,7 +45,9 @@ class ProcessExitedException(ProcessException):
 
 
 def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
-          devices_per_process: int | None = None, timeout: float | None = None) -> None:
+          devices_per_process: int | None = None, timeout: float | None = None,
+          progress_timeout: float | None = None,
+          stop_grace: float = _supervisor.STOP_GRACE_S) -> None:
     """Run `fn(rank, *args)` in `nprocs` new processes that form one jdp job; wait for all.
 
     Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR
@@ -60,11 +63,18 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         devices_per_process: give each process this many simulated CPU devices (sets XLA_FLAGS
             before jax is imported there); None keeps this process's XLA_FLAGS.
         timeout: seconds after which all processes are stopped and TimeoutError is raised.
+        progress_timeout: the launcher's --progress_timeout: once a rank recorded progress
+            (jdp's steps, Loader, Checkpointer do), this many seconds without progress on any
+            rank stop all and raise TimeoutError naming the ranks behind, with their stacks.
+            None reads JDP_PROGRESS_TIMEOUT, else off.
+        stop_grace: after SIGTERM to this process, seconds the ranks get to save and leave
+            (see `jdp.preempted`) before SIGKILL.
 
     Raises:
         ProcessRaisedException: a rank raised; the message names it and holds its traceback.
         ProcessExitedException: a rank exited non-zero or was killed, without a traceback.
-        TimeoutError: `timeout` passed. KeyboardInterrupt: SIGINT arrived (it reached every rank).
+        TimeoutError: `timeout` passed, or no progress for `progress_timeout`.
+            KeyboardInterrupt: SIGINT arrived (it reached every rank).
 
     Example:
         >>> def main(rank, steps):
@@ -73,17 +83,21 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         ...     jdp.spawn(main, args=(100,), nprocs=2, devices_per_process=2)
     """
     _check(fn, nprocs, devices_per_process)
+    if progress_timeout is None and os.environ.get(_env.PROGRESS_TIMEOUT):
+        progress_timeout = float(os.environ[_env.PROGRESS_TIMEOUT])
+    limits = _supervisor.Limits(timeout_s=timeout, progress_timeout_s=progress_timeout,
+                                stop_grace_s=stop_grace)
     with tempfile.TemporaryDirectory(prefix="jdp-spawn-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
             pickle.dump(_preparation_data(), f)
             f.write(_pickled(fn, args))
-        cmd = [sys.executable, "-u", _run.__file__, "--spawn", payload]
+        cmd = [sys.executable, "-u", RUNNER, "--spawn", payload]
         port = _net.free_port()
         specs = [_supervisor.RankSpec(r, cmd, _env(r, nprocs, port, tmp, devices_per_process))
                  for r in range(nprocs)]
-        outcome = _supervisor.run(specs, _supervisor.Output(), timeout_s=timeout)
-        _raise_for(outcome, tmp, nprocs, timeout)
+        outcome = _supervisor.run(specs, _supervisor.Output(), limits)
+        _raise_for(outcome, tmp, nprocs, limits)
 
 
 def _env(rank: int, nprocs: int, port: int, tmp: str, devices_per_process: int | None) -> dict:
@@ -91,13 +105,13 @@ def _env(rank: int, nprocs: int, port: int, tmp: str, devices_per_process: int |
     env = _supervisor.rank_env(os.environ, rank=rank, local_rank=rank, world_size=nprocs,
                                local_world_size=nprocs, node_rank=0, master_addr="127.0.0.1",
                                master_port=port, devices_per_process=devices_per_process)
-    env[_run.ERROR_FILE_ENV] = os.path.join(tmp, f"error.{rank}")
+    env[_env.ERROR_FILE] = os.path.join(tmp, f"error.{rank}")
     return env
 
 
 def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
     """Reject what cannot work before any process starts."""
-    if os.environ.get(_run.BOOTSTRAP_ENV) == "1":
+    if os.environ.get(_env.SPAWN_BOOTSTRAP) == "1":
         raise RuntimeError("jdp.spawn() ran while a spawned process imported the parent's main "
                            "module: put the call under `if __name__ == '__main__':`")
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -138,7 +152,7 @@ def _pickled(fn: Callable, args: Sequence[Any]) -> bytes:
 
 
 def _raise_for(outcome: _supervisor.Outcome, tmp: str, nprocs: int,
-               timeout: float | None) -> None:
+               limits: _supervisor.Limits) -> None:
     """Turn a supervised run's outcome into a return or the right exception."""
     if outcome.signal == signal.SIGINT:
         raise KeyboardInterrupt(f"{WHO}: SIGINT; stopped all {nprocs} processes")
@@ -148,13 +162,17 @@ def _raise_for(outcome: _supervisor.Outcome, tmp: str, nprocs: int,
         raise ProcessExitedException(f"{WHO}: received {name}; stopped all {nprocs} processes",
                                      -1, -outcome.signal)
     if outcome.timed_out:
-        raise TimeoutError(f"{WHO}: processes still running after timeout={timeout} s; stopped "
-                           f"all {nprocs}")
+        raise TimeoutError(f"{WHO}: processes still running after timeout={limits.timeout_s} "
+                           f"s; stopped all {nprocs}")
+    if outcome.stall is not None:
+        progress, stacks = outcome.stall
+        raise TimeoutError(_watchdog.report(WHO, progress, stacks, limits.progress_timeout_s)
+                           .replace("--progress_timeout", "progress_timeout"))
     if outcome.failed_rank is None:
         return
     rank, code = outcome.failed_rank, outcome.returncode
     head = (f"{WHO}: rank {rank} of {nprocs} failed with "
-            f"{_supervisor.describe_exit(code)}; stopped the others")
+            f"{_exit.describe_exit(code)}; stopped the others")
     path = os.path.join(tmp, f"error.{rank}")
     if os.path.exists(path):
         with open(path) as f:
