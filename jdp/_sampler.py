@@ -82,13 +82,22 @@ class DistributedSampler:
 
     def indices(self) -> np.ndarray:
         """This rank's indices for the current epoch, an int64 array of length `len(self)`."""
+        # np.resize repeats the order from its start: torch's padding, several times if needed.
+        order = np.resize(self.order(), self.total_size)
+        return order[self.rank:self.total_size:self.num_replicas]
+
+    def order(self) -> np.ndarray:
+        """The current epoch's example order before padding and striding (same on every rank).
+
+        Rank r's indices are this list, padded, taken every `num_replicas` from position r;
+        so after each rank has read its first k indices, all ranks together have read the first
+        `k * num_replicas` positions: a prefix of this list (what an elastic resume needs).
+        """
         if self.shuffle:
             order = np.random.default_rng(self.seed + self.epoch).permutation(self.num_examples)
         else:
             order = np.arange(self.num_examples)
-        # np.resize repeats `order` from its start: torch's padding, several times if needed.
-        order = np.resize(order, self.total_size).astype(np.int64)
-        return order[self.rank:self.total_size:self.num_replicas]
+        return order.astype(np.int64)
 
     def is_padding(self) -> np.ndarray:
         """Bool array aligned with `indices()`: True where the index is torch's padding.

@@ -10,6 +10,7 @@ Two kinds of source, each read a whole batch at a time:
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -100,7 +101,11 @@ class _ExampleReader:
 
     def __init__(self, source: Any):
         self.source = source
-        self.batched = hasattr(source, "__getitems__")
+        # tfds's DataSource forwards __getitems__ to its `.data_source`: check that one too.
+        inner = getattr(source, "data_source", None)
+        self.batched = _takes_one_argument(getattr(source, "__getitems__", None)) and (
+            inner is None or not hasattr(inner, "__getitems__")
+            or _takes_one_argument(inner.__getitems__))
 
     def __call__(self, idx: np.ndarray) -> dict:
         keys = idx.tolist()
@@ -111,14 +116,51 @@ class _ExampleReader:
         return _stack(examples, keys)
 
     def _examples(self, keys: list[int]) -> Sequence:
-        if self.batched:
-            try:
-                return list(self.source.__getitems__(keys))
-            except TypeError:
-                # A __getitems__ that cannot take a list of ints (tfds.testing.mock_data installs
-                # an unbound one) is ignored: per-example reads below raise any real error again.
-                self.batched = False
-        return [self.source[k] for k in keys]
+        if not self.batched:
+            return [self._one(k) for k in keys]
+        try:
+            return list(self.source.__getitems__(keys))
+        except Exception as err:
+            for k in keys:  # which example fails on its own? Name it.
+                self._one(k)
+            raise ReadError(f"Loader: source.__getitems__ failed for example indices "
+                            f"{_shown(keys)} ({type(err).__name__}: {err}), though each reads "
+                            "alone with source[i]; fix __getitems__ (the cause is chained)"
+                            ) from err
+
+    def _one(self, k: int) -> Any:
+        try:
+            return self.source[k]
+        except Exception as err:
+            raise ReadError(f"Loader: reading example index {k} failed: source[{k}] raised "
+                            f"{type(err).__name__}: {err}; fix the source or that example (the "
+                            "cause is chained)") from err
+
+
+class ReadError(RuntimeError):
+    """Reading an example from a source failed; the message names the example index."""
+
+
+def _takes_one_argument(getitems: Any) -> bool:
+    """Whether `getitems(keys)` can be called: False for a missing or unbound `__getitems__`.
+
+    tfds.testing.mock_data installs a `functools.partial` of a function of (self, keys) as an
+    instance attribute of the data source that tfds's DataSource wraps, which cannot take the
+    keys alone; such a source is read one example at a time. A real `__getitems__` is called, and its errors are raised, never swallowed.
+    """
+    if getitems is None or not callable(getitems):
+        return False
+    try:
+        inspect.signature(getitems).bind([0])
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect (a builtin): assume it takes the keys
+        return True
+    return True
+
+
+def _shown(keys: list[int]) -> str:
+    return f"{keys[:8]}{'...' if len(keys) > 8 else ''}"
 
 
 def _stack(examples: Sequence, keys: list[int]) -> dict:
@@ -128,12 +170,20 @@ def _stack(examples: Sequence, keys: list[int]) -> dict:
                         "of fields such as {'image': ..., 'label': ...}: make __getitem__ "
                         "return a dict")
     _check_no_mask(first, f"source[{keys[0]}]")
-    try:
-        return {field: np.stack([np.asarray(ex[field]) for ex in examples]) for field in first}
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"Loader: examples {keys[:8]}... do not all have the fields "
-                         f"{sorted(first)} ({err!r}); every example must have the same fields"
-                         ) from err
+    stacked = {}
+    for field in first:
+        try:
+            stacked[field] = np.stack([np.asarray(ex[field]) for ex in examples])
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"Loader: examples {_shown(keys)} do not all have the fields "
+                             f"{sorted(first)} ({err!r}); every example must have the same "
+                             "fields") from err
+        except ValueError as err:
+            shapes = sorted({np.shape(ex[field]) for ex in examples})
+            raise ValueError(f"Loader: field {field!r} has different shapes {shapes[:4]} "
+                             f"across examples {_shown(keys)}; make every example's {field!r} "
+                             "the same shape (pad or resize it in the source)") from err
+    return stacked
 
 
 def _check_no_mask(fields: Mapping, where: str) -> None:

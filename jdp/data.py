@@ -24,47 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import numbers
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jdp import _mesh, _prefetch, _sources
+from jdp import _batches, _loader_checks, _mesh, _position, _prefetch, _sources, _workers
+from jdp._loader_checks import LAYOUTS
 from jdp._sampler import DistributedSampler, _require_int
 from jdp._sources import ArraySource
 
-__all__ = ["ArraySource", "DistributedSampler", "Loader"]
-
-
-class _Plan(NamedTuple):
-    """What building batch b of one epoch needs (no Loader reference; picklable for workers)."""
-    read: _sources.Reader
-    indices: np.ndarray
-    real: np.ndarray
-    batch_size: int
-    transform: Callable[[dict], dict] | None
-
-
-def _host_batch(plan: _Plan, b: int) -> dict:
-    """Batch b of the plan as host numpy arrays `[batch_size, ...]`, mask included."""
-    size = plan.batch_size
-    idx = plan.indices[b * size:(b + 1) * size]
-    real = plan.real[b * size:(b + 1) * size]
-    if len(idx) < size:  # last partial batch: fill with repeats of its rows, masked out
-        real = np.concatenate([real, np.zeros(size - len(idx), bool)])
-        idx = np.resize(idx, size)
-    fields = plan.read(idx)
-    if plan.transform is not None:
-        fields = _check_transformed(plan.transform(fields), size)
-    return {**fields, _sources.MASK: real}
-
-
-LAYOUTS = ("pmap", "global")
-"""`Loader(layout=...)` values: stacked per-device arrays, or one global array per leaf."""
+__all__ = ["LAYOUTS", "ArraySource", "DistributedSampler", "Loader"]
 
 
 def _placer(layout: str, devices: Sequence[jax.Device] | None) -> Callable[[dict], dict]:
@@ -85,25 +58,6 @@ def _place_global(sharding: NamedSharding, host: dict) -> dict:
     """This process's rows as its part of global `[batch_size * processes, ...]` arrays."""
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host)
-
-
-def _check_transformed(fields: Any, size: int) -> dict:
-    if not isinstance(fields, Mapping):
-        raise TypeError(f"Loader: transform returned a {type(fields).__name__}; expected the "
-                        "batch dict (transform(batch) -> batch)")
-    if _sources.MASK in fields:
-        raise ValueError(f"Loader: transform returned a field named {_sources.MASK!r}, which "
-                         "the Loader adds itself; rename it")
-    for path, leaf in jax.tree_util.tree_flatten_with_path(dict(fields))[0]:
-        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != size:
-            raise ValueError(f"Loader: transform returned {jax.tree_util.keystr(path)} with "
-                             f"shape {np.shape(leaf)}; expected a leading axis of batch_size="
-                             f"{size} (one row per example, padding rows included)")
-    return dict(fields)
-
-
-_STATE_CONFIG = ("num_examples", "num_replicas", "shuffle", "seed", "sampler_drop_last",
-                 "batch_size", "drop_last")
 
 
 class Loader:
@@ -152,29 +106,38 @@ class Loader:
 
     def __init__(self, source: Any, batch_size: int, sampler: DistributedSampler | None = None,
                  *, shuffle: bool | None = None, seed: int | None = None,
-                 transform: Callable[[dict], dict] | None = None, drop_last: bool = False,
+                 transform: Callable[..., dict] | None = None, drop_last: bool = False,
                  prefetch: int = 2, devices: Sequence[jax.Device] | None = None,
-                 timeout: float | None = 300.0, layout: str = "pmap"):
-        num_examples, self._read = _sources.make_reader(source)
-        self.sampler = _default_sampler(sampler, num_examples, shuffle, seed)
-        self.layout = _check_layout(layout, devices)
+                 timeout: float | None = 300.0, layout: str = "pmap", num_workers: int = 0):
+        num_examples, read = _sources.make_reader(source)
+        self.sampler = _loader_checks.default_sampler(sampler, num_examples, shuffle, seed)
+        self.layout = _loader_checks.layout(layout, devices)
         self.devices = list(jax.local_devices() if devices is None else devices)
         self.batch_size = _require_int("Loader", "batch_size", batch_size, 1,
                                        "pass the number of examples per batch on this process")
         self.drop_last, self.transform = bool(drop_last), transform
         self.prefetch = _require_int("Loader", "prefetch", prefetch, 0,
                                      "pass the number of batches to prepare ahead (0: none)")
+        self.num_workers = _require_int("Loader", "num_workers", num_workers, 0,
+                                        "pass the number of worker processes (0: read here)")
         self.timeout = timeout
-        _check_loader_args(self, num_examples)
+        _loader_checks.loader_args(self, num_examples)
+        self._recipe = _batches.Recipe(read, transform, _batches.wants_rng(transform))
+        self._pickled = (_workers.pickled_recipe(self._recipe, self.num_workers)
+                         if self.num_workers else b"")
         self._place = _placer(self.layout, devices)
-        self._epoch, self._step = self.sampler.epoch, 0
+        self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
+        self._pool: _workers.Pool | None = None
+        self._stop_pool: weakref.finalize | None = None
 
     def __len__(self) -> int:
-        """Batches per epoch on this process."""
-        if self.drop_last:
-            return len(self.sampler) // self.batch_size
-        return -(-len(self.sampler) // self.batch_size)
+        """Batches per epoch on this process (fewer in an epoch resumed on another world size)."""
+        return self._num_batches(0)
+
+    def _num_batches(self, start: int) -> int:
+        per_rank = _position.pass_length(self.sampler, start)
+        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
     @property
     def epoch(self) -> int:
@@ -201,20 +164,22 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict]:
         self._follow_sampler()
+        _loader_checks.not_nested(self._active() if self._active else None,
+                                  (self._epoch, self._step))
         self._close_active()
         batches = self._iterate()
         self._active = weakref.ref(batches)
         return batches
 
     def _iterate(self) -> Iterator[dict]:
-        plan = _Plan(self._read, self.sampler.indices(), ~self.sampler.is_padding(),
-                     self.batch_size, self.transform)
-        place = self._place
+        indices, real = _position.pass_rows(self.sampler, self._start)
+        plan = _batches.EpochPlan(indices, real, self.batch_size, self.sampler.seed, self._epoch)
+        items = range(self._step, self._num_batches(self._start))
+        host, place = self._host_batches(plan, items), self._place
 
         def build(b: int) -> dict:
-            return place(_host_batch(plan, b))
+            return place(host(b))
 
-        items = range(self._step, len(self))
         with contextlib.closing(_prefetch.prefetched(build, items, self.prefetch,
                                                      self.timeout)) as batches:
             for batch in batches:
@@ -223,47 +188,62 @@ class Loader:
         self._active = None  # finished: _move must not close this (running) generator
         self._move(self._epoch + 1, 0)
 
+    def _host_batches(self, plan: _batches.EpochPlan, items: range) -> Callable[[int], dict]:
+        """`b -> host batch b`: built here, or asked of the worker processes."""
+        if not self.num_workers:
+            return functools.partial(_batches.host_batch, self._recipe, plan)
+        if self._pool is not None and self._pool.broken:
+            self.close()
+        if self._pool is None:
+            self._pool = _workers.Pool(self._pickled, self.num_workers)
+            self._stop_pool = weakref.finalize(self, self._pool.close)
+        return self._pool.start_pass(plan, items, ahead=2 * self.num_workers)
+
+    def close(self) -> None:
+        """Stop the worker processes now (idempotent; the next iteration starts new ones).
+
+        Workers also stop when the Loader is garbage-collected and at interpreter exit.
+        """
+        self._close_active()
+        if self._stop_pool is not None:
+            self._stop_pool()
+        self._pool = self._stop_pool = None
+
     def state_dict(self) -> dict:
         """The position and the configuration it depends on, JSON-serialisable.
 
         Returns:
-            `{"epoch", "step", "num_examples", "num_replicas", "shuffle", "seed",
-            "sampler_drop_last", "batch_size", "drop_last"}`; the rank is not included, so
-            process 0's copy restores every process.
+            `{"epoch", "step", "start", "offset", "num_examples", "num_replicas", "shuffle",
+            "seed", "sampler_drop_last", "batch_size", "drop_last"}`. `offset` counts the
+            examples of the epoch consumed by all processes together (see `load_state_dict`);
+            the rank is not included, so process 0's copy restores every process.
         """
-        s = self.sampler
-        return {"epoch": self.epoch, "step": self.step, "num_examples": s.num_examples,
-                "num_replicas": s.num_replicas, "shuffle": s.shuffle, "seed": s.seed,
-                "sampler_drop_last": s.drop_last, "batch_size": self.batch_size,
-                "drop_last": self.drop_last}
+        s, epoch, step = self.sampler, self.epoch, self.step
+        at = _position.offset(s, _position.Position(epoch, self._start, step), self.batch_size)
+        return {"epoch": epoch, "step": step, "start": self._start, "offset": at,
+                "num_examples": s.num_examples, "num_replicas": s.num_replicas,
+                "shuffle": s.shuffle, "seed": s.seed, "sampler_drop_last": s.drop_last,
+                "batch_size": self.batch_size, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Continue from a position saved by `state_dict()`: the same remaining batches follow.
+        """Continue from a position saved by `state_dict()`.
+
+        With the same number of processes and batch size the same remaining batches follow
+        (bitwise). With another (an elastic restart), the epoch continues with exactly the
+        examples no process had consumed, each once, split over the new processes as a fresh
+        epoch would be (torch's padding, masked); the next epochs are whole as usual.
 
         Raises:
-            ValueError: the saved configuration differs from this loader's (another batch size,
-                seed, data size...), so the position would not mean the same batches; or the
-                position is outside this loader's epoch.
+            ValueError: the saved dataset size, shuffle, seed or sampler drop_last differ from
+                this loader's (the epoch's order would differ), or the position is outside it.
         """
-        mine = self.state_dict()
-        differ = {k: (state[k], mine[k]) for k in _STATE_CONFIG
-                  if k in state and state[k] != mine[k]}
-        if differ:
-            raise ValueError(f"Loader.load_state_dict: saved vs this loader's settings differ "
-                             f"{differ}; build the Loader and sampler as they were when saved")
-        epoch = _require_int("Loader.load_state_dict", "epoch", state.get("epoch"), 0,
-                             "pass a dict from Loader.state_dict()")
-        step = _require_int("Loader.load_state_dict", "step", state.get("step"), 0,
-                            "pass a dict from Loader.state_dict()")
-        if step > len(self):
-            raise ValueError(f"Loader.load_state_dict: step={step} is past the {len(self)} "
-                             "batches of an epoch; pass a dict saved by an equal Loader")
-        self._move(epoch, step)
+        pos = _position.restored(state, self.state_dict(), self._num_batches)
+        self._move(pos.epoch, pos.step, pos.start)
 
-    def _move(self, epoch: int, step: int) -> None:
+    def _move(self, epoch: int, step: int, start: int = 0) -> None:
         self._close_active()
         self.sampler.set_epoch(epoch)
-        self._epoch, self._step = epoch, step
+        self._epoch, self._start, self._step = epoch, start, step
 
     def _follow_sampler(self) -> None:
         # Someone called sampler.set_epoch(e) directly (the torch habit): treat it as ours.
@@ -277,52 +257,7 @@ class Loader:
             active.close()
 
     def __repr__(self) -> str:
-        return (f"Loader(batch_size={self.batch_size}, devices={len(self.devices)}, "
-                f"drop_last={self.drop_last}, epoch={self._epoch}, step={self._step}, "
-                f"len={len(self)}, sampler={self.sampler!r})")
-
-
-def _default_sampler(sampler: DistributedSampler | None, num_examples: int,
-                     shuffle: bool | None, seed: int | None) -> DistributedSampler:
-    if sampler is None:
-        return DistributedSampler(num_examples, shuffle=bool(shuffle), seed=seed or 0)
-    if not isinstance(sampler, DistributedSampler):
-        raise TypeError(f"Loader: sampler is a {type(sampler).__name__}; expected a "
-                        "jdp.data.DistributedSampler (the Loader needs its padding positions)")
-    if shuffle is not None or seed is not None:
-        raise ValueError("Loader: shuffle/seed are for the default sampler; with sampler= given "
-                         "pass them to the DistributedSampler instead")
-    if sampler.num_examples != num_examples:
-        raise ValueError(f"Loader: the sampler covers num_examples={sampler.num_examples} but "
-                         f"the source has {num_examples}; build the sampler with len(source)")
-    return sampler
-
-
-def _check_layout(layout: Any, devices: Sequence[jax.Device] | None) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"Loader: layout={layout!r}; expected one of {LAYOUTS} ('pmap': "
-                         "[local_devices, per_device, ...] arrays, 'global': [global_batch, ...])")
-    if layout == "global" and devices is not None:
-        raise ValueError("Loader: devices= was given with layout='global', whose batches are "
-                         "split over jdp.mesh(); drop devices= or use layout='pmap'")
-    return layout
-
-
-def _check_loader_args(loader: Loader, num_examples: int) -> None:
-    n = len(loader.devices)
-    if n == 0:
-        raise ValueError("Loader: devices=[] is empty; pass None (all local devices) or a list")
-    if loader.batch_size % n:
-        fix = max(n, loader.batch_size // n * n)
-        raise ValueError(f"Loader: batch_size={loader.batch_size} is not divisible by the {n} "
-                         f"local devices; batch_size is per process and split evenly over them: "
-                         f"use a multiple of {n} (e.g. {fix})")
-    if loader.transform is not None and not callable(loader.transform):
-        raise TypeError(f"Loader: transform={loader.transform!r} is not callable; pass "
-                        "transform(batch) -> batch or None")
-    if loader.timeout is not None and not loader.timeout > 0:
-        raise ValueError(f"Loader: timeout={loader.timeout!r}; expected seconds > 0 or None")
-    if loader.drop_last and len(loader) == 0:
-        raise ValueError(f"Loader: drop_last=True with batch_size={loader.batch_size} leaves no "
-                         f"batch of the {len(loader.sampler)} examples this process gets (of "
-                         f"{num_examples}); use a smaller batch_size or drop_last=False")
+        return (f"Loader(batch_size={self.batch_size}, layout={self.layout!r}, devices="
+                f"{len(self.devices)}, num_workers={self.num_workers}, drop_last="
+                f"{self.drop_last}, epoch={self._epoch}, step={self._step}, len={len(self)}, "
+                f"sampler={self.sampler!r})")

@@ -332,7 +332,11 @@ def test_bad_examples_and_transforms_fail_in_the_consumer_with_clear_errors(sour
 
 def test_load_state_dict_rejects_a_position_from_another_configuration(source):
     saved = make(source, batch=64).state_dict()
+    del saved["offset"]  # a position saved before offsets existed: only restores on its split
     one_line_error(ValueError, ["batch_size", "64", "32"], make(source).load_state_dict, saved)
+    saved = make(source, batch=64).state_dict()
+    one_line_error(ValueError, ["num_examples", "203", "204"],
+                   Loader({"x": np.zeros(204)}, 32).load_state_dict, saved)
     saved = make(source, seed=1).state_dict()
     one_line_error(ValueError, ["seed"], make(source).load_state_dict, saved)
     saved = dict(make(source).state_dict(), step=9)

@@ -1,0 +1,206 @@
+"""Worker processes that build host batches for the Loader (`Loader(..., num_workers=k)`).
+
+Worker i builds batches b with b % k == i, in the order asked, and answers on its own pipe, so
+the consumer reads batch b from worker b % k and the batches come out in order with no
+reordering buffer: the output is the one `num_workers=0` gives. Workers are started once per
+Loader (the 'spawn' start method: JAX is not fork-safe), get the `Recipe` (source and
+transform) once, and per pass over an epoch its `EpochPlan`; a new pass first collects the
+results an abandoned one (a `break`) still owes, so pipes never hold stale batches.
+
+Every exit path ends the workers: `close()` (the Loader's `close()`, or the Loader being
+garbage-collected, or interpreter exit) asks them to stop, then terminates and kills; a worker
+whose parent died sees its pipe close and exits. Results travel through pipes, so no shared
+memory can leak. A worker that raises sends the exception back; one that dies is reported
+with the batch and the example indices it was building.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from typing import Any
+
+from jdp import _batches
+
+_POLL_S = 0.05
+_STOP_S = 2.0  # a worker that does not stop after this is terminated, then killed
+
+
+class Cancelled(Exception):
+    """A newer pass started (or the pool closed) while this one waited for a batch."""
+
+
+def pickled_recipe(recipe: _batches.Recipe, num_workers: int) -> bytes:
+    """The recipe as bytes for the workers; a clear TypeError when it cannot be pickled."""
+    try:
+        return pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as err:  # noqa: BLE001 -- pickle raises several types
+        what = "transform" if _picklable(recipe.read) else "source"
+        raise TypeError(f"Loader: num_workers={num_workers} needs a picklable source and "
+                        f"transform (worker processes receive them by pickle), but the {what} "
+                        f"is not ({type(err).__name__}: {err}); define it at module level (no "
+                        "lambda or local function), or use num_workers=0") from err
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class Pool:
+    """k spawned workers building host batches; one pass (epoch iteration) at a time."""
+
+    def __init__(self, recipe: bytes, num_workers: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._conns, self._procs = [], []
+        for i in range(num_workers):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_work, args=(theirs, recipe, os.getpid()), daemon=True,
+                               name=f"jdp-loader-worker-{i}")
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(proc)
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._owed = [0] * num_workers  # batches asked of worker i and not yet received
+        self.broken = False  # a worker died: the Loader starts a fresh pool
+
+    def start_pass(self, plan: _batches.EpochPlan, items: range, ahead: int):
+        """A function `get(b)` returning host batch b, called for b in `items` in order.
+
+        The results still owed by an abandoned pass are received and dropped first, so no
+        pipe holds a stale result (and neither side can block the other on a full pipe).
+        """
+        self._cancel.set()  # a getter of the previous pass still waiting gives up
+        with self._lock:
+            self._cancel = cancel = threading.Event()
+            for i in range(len(self._procs)):
+                while self._owed[i]:
+                    self._next_result(i, None, None, cancel)
+            for conn in self._conns:
+                _send(conn, ("plan", plan))
+            to_send, k = iter(items), len(self._procs)
+
+        def get(b: int) -> dict:
+            with self._lock:
+                for nxt in to_send:  # keep `ahead` batches requested beyond b
+                    _send(self._conns[nxt % k], ("batch", nxt))
+                    self._owed[nxt % k] += 1
+                    if nxt >= b + ahead:
+                        break
+                kind, got, payload = self._next_result(b % k, b, plan, cancel)
+            if kind == "error":
+                raise payload
+            assert got == b, (got, b)  # each worker answers in the order asked
+            return payload
+
+        return get
+
+    def _next_result(self, i: int, b: int | None, plan: _batches.EpochPlan | None,
+                     cancel: threading.Event) -> tuple:
+        """The next reply of worker i (waiting for batch b of `plan`, for the error message)."""
+        conn, proc = self._conns[i], self._procs[i]
+        while not conn.poll(_POLL_S):
+            if cancel.is_set():
+                raise Cancelled
+            if not proc.is_alive():
+                self.broken = True
+                raise _died(i, proc, b, plan)
+        try:
+            reply = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            self.broken = True
+            raise _died(i, proc, b, plan) from None
+        self._owed[i] -= 1
+        return reply
+
+    def close(self) -> None:
+        """Stop every worker: ask, then terminate, then kill (idempotent)."""
+        self._cancel.set()
+        for conn in self._conns:
+            try:
+                _send(conn, ("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + _STOP_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(_STOP_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(_STOP_S)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+
+def _send(conn, message: tuple) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _died(i: int, proc, b: int | None, plan: _batches.EpochPlan | None) -> RuntimeError:
+    proc.join(_POLL_S)
+    what = "between batches"
+    if plan is not None:
+        idx = _batches.rows(plan, b)[0]
+        what = (f"while building batch {b} (example indices {idx[:8].tolist()}"
+                f"{'...' if len(idx) > 8 else ''})")
+    return RuntimeError(f"Loader: worker {i} (pid {proc.pid}) died with exit code "
+                        f"{proc.exitcode} {what}; see its output above (a script starting "
+                        "workers needs `if __name__ == '__main__':`), or run with num_workers=0 "
+                        "to see a crash of the source or transform in this process")
+
+
+def _work(conn, recipe_bytes: bytes, parent: int) -> None:
+    """Worker main loop: build the batches asked for until told to stop or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # a transform using jax must not take the GPU
+    recipe = pickle.loads(recipe_bytes)
+    plan = None
+    while True:
+        try:
+            if not conn.poll(1.0):
+                if os.getppid() != parent:
+                    return
+                continue
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if message[0] == "stop":
+            return
+        if message[0] == "plan":
+            plan = message[1]
+            continue
+        b = message[1]
+        try:
+            reply = ("ok", b, _batches.host_batch(recipe, plan, b))
+        except Exception as err:  # noqa: BLE001 -- every error goes to the consumer
+            reply = ("error", b, _portable(err))
+        try:
+            _send(conn, reply)
+        except (OSError, ValueError):
+            return
+
+
+def _portable(err: Exception) -> Exception:
+    """`err` if it survives pickling, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
