@@ -1,13 +1,22 @@
-"""Save and restore a replicated train state, with the data loader's position, through orbax.
+"""Save and restore a train state, with the data loader's position, through orbax.
 
-DDP's `torch.save` on rank 0 plus the sampler position, made atomic and multi-process aware:
+DDP's `torch.save` on rank 0 plus the sampler position, made atomic, verifiable and
+multi-process aware:
 
-* One copy is saved: device 0's, as host (numpy) arrays, since every device holds the same
-  values. A restore copies it onto however many devices the process has now (8 -> 2 works).
-* Every process calls `save`; they check that they agree on the step, then process 0 writes.
-* Atomic: orbax writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` when done. A
-  process killed mid-save leaves only the tmp directory, which is never listed as a step and
-  is deleted by the next `Checkpointer` on the directory.
+* One logical copy is saved, whatever the layout: a global (`jdp.broadcast`) state goes to
+  orbax as it is (each shard written once, by the process holding it); a stacked
+  (`jdp.replicate`) state as device 0's copy. A restore places the values like the `state`
+  it is given, in either layout, on any device or process count (8 -> 2 works).
+* Every process calls `save`; they check that they agree on the step, then orbax writes.
+* Atomic: orbax writes `<step>.orbax-checkpoint-tmp-*/` and renames it to `<step>/` when
+  done; only finished `<step>/` directories are ever listed. Old checkpoints leave by a rename
+  too, so a reader never sees one half deleted.
+* One writer, any number of readers: only `save` (on process 0) deletes anything (the
+  leftovers of a killed save, old checkpoints past `max_to_keep`). A Checkpointer that only
+  restores or lists never changes the directory, so evaluators may watch a running job.
+* Verified: each checkpoint carries a CRC32 of every array (see `jdp._integrity`). A damaged
+  newest checkpoint is skipped with a warning naming the file or array; an explicitly
+  requested one raises `CorruptCheckpointError`.
 * Synchronous: when `save` returns, the checkpoint is on disk and the process may exit or be
   killed. Writing a small model takes milliseconds, not worth a background thread that
   every exit path would have to drain first.
@@ -19,30 +28,40 @@ from __future__ import annotations
 import json
 import operator
 import os
-from collections.abc import Iterator
+import re
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from flax import traverse_util
-from jax._src import distributed as _jax_distributed  # private: is there a process group?
+from jax.experimental import multihost_utils
 
+from jdp import _checkpoint_tree as tree
+from jdp import _integrity, _progress
+from jdp._integrity import CorruptCheckpointError, Damaged
 from jdp.distributed import barrier
 
-_STATE, _LOADER = "state", "loader"
+__all__ = ["Checkpointer", "CorruptCheckpointError"]
+
+_STATE, _LOADER, _INTEGRITY = "state", "loader", "integrity"
+_TRASH = ".jdp-deleting"  # old steps are renamed in here, then deleted, by the writer
+_LEFTOVER = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # a save that never finished
+_DONE = "commit_success.txt"  # orbax writes it last, before the final rename
 
 
 class Checkpointer:
-    """Keeps the last `max_to_keep` checkpoints of a replicated train state in `directory`.
+    """Keeps the last `max_to_keep` checkpoints of a train state in `directory`.
 
     Every process of the job creates one on the same (shared) directory and calls `save` and
-    `restore` with the same arguments in the same order.
+    `restore` with the same arguments in the same order. Other jobs (an evaluator, an
+    exporter) may open the same directory at the same time to list and restore: only `save`
+    changes the directory, so one job should save into it.
 
     Args:
         directory: where step directories `<step>/` go (a path or an orbax-supported URL
-            such as gs://...); created if missing.
+            such as gs://...); created by the first `save` if missing.
         max_to_keep: how many of the newest checkpoints to keep (None keeps all).
         timeout_s: seconds a process waits for the others at a save or restore before raising
             TimeoutError (a peer that is dead, stuck, or skipped the call). orbax's own
@@ -55,51 +74,58 @@ class Checkpointer:
         ...     loader.set_epoch(epoch)
         ...     for batch in loader:
         ...         state, metrics = step(state, batch)
-        ...     ckpt.save(int(jdp.unreplicate(state).step), state, loader=loader)
+        ...     ckpt.save(int(state.step), state, loader=loader)
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
                  timeout_s: float = 300.0):
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+        if max_to_keep is not None and (isinstance(max_to_keep, bool)
+                                        or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an integer >= 1, or None "
                              "to keep every checkpoint")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
         text = os.fspath(directory)  # a local path, or a URL such as gs://bucket/run
         self.directory = text if "://" in text else os.path.abspath(os.path.expanduser(text))
+        self._root = epath.Path(self.directory)
+        if self._root.exists() and not self._root.is_dir():
+            raise ValueError(f"Checkpointer: directory {self.directory!r} is a file, not a "
+                             "directory; pass a directory path (it is created if missing)")
         self.timeout_s = float(timeout_s)
         self._key = f"jdp.checkpoint:{self.directory}"
-        # Every process may create it: exist_ok makes the race harmless (orbax refuses to
-        # create it itself once `active_processes` is set).
-        epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(
             self.directory, options=_manager_options(max_to_keep),
             handler_registry=_registry(_multiprocessing_options()))
-        # orbax deletes leftover tmp directories in a thread that it joins only at the next
-        # save; a short restore-only run would exit under it (an error in the log). Join now.
-        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def save(self, step: int, state: Any, loader: Any = None) -> None:
-        """Write device 0's copy of `state` (and `loader`'s position) as checkpoint `step`.
+        """Write `state`'s logical copy (and `loader`'s position) as checkpoint `step`.
 
         Call it on every process. Returns once the checkpoint is complete on disk; the oldest
-        checkpoints beyond `max_to_keep` are then deleted.
+        checkpoints beyond `max_to_keep` are then deleted, and so are the leftovers of saves
+        that a killed process never finished.
 
         Args:
             step: a non-negative integer, larger than every step already saved here.
-            state: the replicated state, as from `jdp.replicate` or a jdp step.
+            state: the train state: global (`jdp.broadcast`) or stacked (`jdp.replicate`),
+                as given to or returned by a jdp step.
             loader: a `jdp.data.Loader` (anything with a JSON-serialisable `state_dict()`),
                 whose position is stored with the state.
 
         Raises:
-            ValueError: `state` is not replicated, `step` is not new, or the processes passed
+            ValueError: `state` has no arrays, `step` is not new, or the processes passed
                 different steps.
             TimeoutError: another process did not reach the save within `timeout_s`.
 
         Example:
             >>> ckpt.save(1000, state, loader=loader)
         """
+        _progress.record("checkpoint")
         step = _as_step(step)
-        tree = _host_tree(state)
+        found, stacked = tree.leaves(state, "Checkpointer.save")
         position = _loader_position(loader)
+        values = {leaf.keys: tree.logical(leaf, stacked) for leaf in found}
+        record = _integrity.record(
+            {"/".join(k): tree.host_value(v) for k, v in values.items()}, position)
         self._agree("save", step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -107,23 +133,28 @@ class Checkpointer:
                 f"Checkpointer.save: step {step} is not after the latest checkpoint {latest} in "
                 f"{self.directory}; steps must increase. Pass a larger step (e.g. the state's "
                 "step counter), or save into a new directory")
-        items = {_STATE: ocp.args.StandardSave(tree)}
+        self._prepare_to_write()
+        items = {_STATE: ocp.args.StandardSave(tree.saved_tree(values)),
+                 _INTEGRITY: ocp.args.JsonSave(record)}
         if position is not None:
             items[_LOADER] = ocp.args.JsonSave(position)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._empty_trash()
 
     def restore(self, state: Any, loader: Any = None, step: int | None = None) -> Any:
-        """Load checkpoint `step` (default: the newest) into the structure of `state`.
+        """Load checkpoint `step` (default: the newest intact one) into the structure of `state`.
 
-        `state` gives the structure, dtypes and placement: the result is replicated over this
-        process's current devices, whatever their number at save time. Every process reads
-        the same files. With no checkpoint in the directory, `state` comes back unchanged and
-        `loader` is left alone, so a training script can call it unconditionally.
+        `state` gives the structure, dtypes and placement: each leaf comes back laid out like
+        the corresponding leaf of `state` (global or stacked, on this run's devices), whatever
+        the layout and device count at save time. Every array is checked against the CRC32
+        recorded at save. With no checkpoint in the directory, `state` comes back unchanged
+        and `loader` is left alone, so a training script can call it unconditionally.
 
         Args:
-            state: a replicated state (as from `jdp.replicate`) of the model being trained.
+            state: a state of the model being trained, global or stacked.
             loader: the loader whose position to restore (`loader.load_state_dict`).
-            step: which checkpoint to load; None for the newest.
+            step: which checkpoint to load; None for the newest intact one (a damaged newer
+                one is skipped with a warning naming the file or array).
 
         Returns:
             `state` with every array leaf replaced by the checkpoint's values.
@@ -131,33 +162,45 @@ class Checkpointer:
         Raises:
             ValueError: the checkpoint does not match `state` (the message names the first
                 differing leaf), `step` was not saved, or it holds no loader position.
+            CorruptCheckpointError: checkpoint `step` (or, with step=None, every checkpoint)
+                is damaged; the message names the file or array.
 
         Example:
-            >>> state = ckpt.restore(jdp.replicate(initial_state), loader=loader)
+            >>> state = ckpt.restore(jdp.broadcast(initial_state), loader=loader)
         """
-        step = self.latest_step() if step is None else self._existing(_as_step(step))
-        self._agree("restore", step)
-        if step is None:
+        _progress.record("checkpoint")
+        found, stacked = tree.leaves(state, "Checkpointer.restore")
+        if loader is not None and not callable(getattr(loader, "load_state_dict", None)):
+            raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
+                            "load_state_dict(); pass a jdp.data.Loader, or loader=None")
+        steps = self.all_steps()[::-1] if step is None else [self._existing(_as_step(step))]
+        if not steps:
+            self._agree("restore", None)
             return state
-        items = {_STATE: ocp.args.StandardRestore()}
+        chosen, values, position = self._first_intact(steps, found, stacked, loader, step)
+        self._agree("restore", chosen)
         if loader is not None:
-            self._require_loader_item(step)
-            items[_LOADER] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        new_state = _fill(state, traverse_util.flatten_dict(restored[_STATE]))
-        if loader is not None:
-            loader.load_state_dict(restored[_LOADER])
-        return new_state
+            loader.load_state_dict(position)
+        return tree.rebuild(state, [tree.place(v, leaf, stacked)
+                                    for v, leaf in zip(values, found, strict=True)])
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when nothing has been saved."""
-        self._manager.reload()  # the directory, not this object's memory, is the truth
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Steps of all complete checkpoints in the directory, oldest first."""
-        self._manager.reload()
-        return sorted(self._manager.all_steps())
+        """Steps of all complete checkpoints in the directory, oldest first.
+
+        Read from the directory on every call (another job may be saving): a step counts once
+        orbax has renamed its finished directory into place, with its commit marker.
+        """
+        try:
+            entries = list(self._root.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(p.name) for p in entries
+                      if p.name.isdigit() and (p / _DONE).exists())
 
     def close(self) -> None:
         """Release orbax's resources. Saves are already complete when `save` returns."""
@@ -169,6 +212,66 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _first_intact(self, steps: list[int], found: list, stacked: bool, loader: Any,
+                      asked: int | None) -> tuple[int, list, Any]:
+        """Read the first of `steps` that verifies: (step, values in `found` order, position)."""
+        problems = []
+        for step in steps:
+            try:
+                return (step, *self._read(step, found, stacked, loader))
+            except Damaged as e:
+                vanished = step not in self.all_steps()  # max_to_keep deleted it meanwhile
+                if asked is not None:
+                    reason = "was deleted while being read" if vanished else f"is damaged: {e}"
+                    raise CorruptCheckpointError(
+                        f"Checkpointer.restore: checkpoint {step} in {self.directory} {reason}. "
+                        "Restore another step (step=None picks the newest intact one)") from None
+                if not vanished:
+                    problems.append(f"{step}: {e}")
+                    warnings.warn(f"Checkpointer.restore: checkpoint {step} in {self.directory} "
+                                  f"is damaged ({e}); trying the next older checkpoint",
+                                  RuntimeWarning, stacklevel=3)
+        raise CorruptCheckpointError(
+            f"Checkpointer.restore: no intact checkpoint in {self.directory}: "
+            f"{'; '.join(problems) or 'all were deleted while being read'}. Restore from a "
+            "copy, or start afresh in a new directory")
+
+    def _read(self, step: int, found: list, stacked: bool, loader: Any) -> tuple[list, Any]:
+        """Checkpoint `step`'s values in `found` order and loader position, verified."""
+        record = _integrity.checked_record(
+            self._restore_items(step, {_INTEGRITY: ocp.args.JsonRestore()})[_INTEGRITY])
+        _check_structure(record["arrays"], found, step)
+        if loader is not None and record["loader_crc32"] is None:
+            raise ValueError(
+                f"Checkpointer.restore: checkpoint {step} in {self.directory} holds no loader "
+                "position (it was saved with loader=None); pass loader=None to restore only "
+                "the state")
+        targets = {leaf.keys: tree.target(leaf, stacked) for leaf in found}
+        items = {_STATE: ocp.args.StandardRestore(tree.saved_tree(targets))}
+        if loader is not None:
+            items[_LOADER] = ocp.args.JsonRestore()
+        restored = self._restore_items(step, items)
+        flat = tree.saved_flat(restored[_STATE])
+        values = [flat.get(leaf.keys) for leaf in found]
+        for leaf, value in zip(found, values):
+            if value is None:
+                raise Damaged(f"array {leaf.name}: missing from the restored state")
+            _integrity.verify(leaf.name, tree.host_value(value), record["arrays"][leaf.name])
+        position = restored.get(_LOADER) if loader is not None else None
+        if loader is not None:
+            _integrity.verify_position(position, record["loader_crc32"])
+        return values, position
+
+    def _restore_items(self, step: int, items: dict) -> Any:
+        """orbax's restore of `items`, with any failure turned into Damaged naming the file."""
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # tensorstore, orbax, json and OS errors alike
+            what = f"{_INTEGRITY} item ({_integrity.RECORD_FILE})" if _INTEGRITY in items \
+                else "state item"
+            raise _integrity.from_error(e, os.path.join(self.directory, str(step)), what) \
+                from None
+
     def _existing(self, step: int) -> int:
         steps = self.all_steps()
         if step not in steps:
@@ -177,36 +280,69 @@ class Checkpointer:
                              "step=None for the newest")
         return step
 
-    def _require_loader_item(self, step: int) -> None:
-        if _LOADER not in self._manager.item_metadata(step):
-            raise ValueError(
-                f"Checkpointer.restore: checkpoint {step} in {self.directory} holds no loader "
-                "position (it was saved with loader=None); pass loader=None to restore only "
-                "the state")
+    def _prepare_to_write(self) -> None:
+        """Create the directory; on process 0, delete what crashed earlier writers left."""
+        self._root.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            for path in self._root.iterdir():
+                if _LEFTOVER.match(path.name):
+                    path.rmtree()
+            self._empty_trash()
+        self._manager.reload()  # max_to_keep counts the steps on disk, not in memory
+
+    def _empty_trash(self) -> None:
+        trash = self._root / _TRASH
+        if jax.process_index() == 0 and trash.exists():
+            trash.rmtree()
 
     def _agree(self, what: str, step: int | None) -> None:
         """Raise on every process unless all processes chose the same `step`."""
-        client = _jax_distributed.global_state.client
-        if client is None or jax.process_count() == 1:
+        if jax.process_count() == 1:
             return
-        key = f"{self._key}/{what}"
-        # Overwriting last call's value is safe: nobody sets again before all have read.
-        client.key_value_set(f"{key}/{jax.process_index()}", str(step), allow_overwrite=True)
-        barrier(f"{key}/set", self.timeout_s)
-        seen = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(key)}
-        barrier(f"{key}/read", self.timeout_s)
-        if len(set(seen.values())) > 1:
+        # A timed barrier first: the collective below cannot time out, but once every
+        # process has reached this point it completes at once.
+        barrier(f"{self._key}/{what}", self.timeout_s)
+        chosen = np.asarray(multihost_utils.process_allgather(
+            np.int32(-1 if step is None else step))).reshape(-1).tolist()
+        if len(set(chosen)) > 1:
+            seen = {i: (None if s < 0 else s) for i, s in enumerate(chosen)}
             raise ValueError(
-                f"Checkpointer.{what}: processes chose different steps "
-                f"{dict(sorted(seen.items()))} (process: step; None = no checkpoint). Every "
-                f"process must call {what} with the same step on the same shared directory")
+                f"Checkpointer.{what}: processes chose different steps {seen} (process: step; "
+                f"None = no checkpoint). Every process must call {what} with the same step on "
+                "the same shared directory")
+
+
+def _check_structure(saved: dict, found: list, step: int) -> None:
+    """ValueError naming the first leaf where checkpoint `step` and the state differ."""
+    where = f"Checkpointer.restore: checkpoint {step} does not match the state"
+    for leaf in found:
+        entry = saved.get(leaf.name)
+        if entry is None:
+            raise ValueError(f"{where}: missing in checkpoint: {leaf.name} (state has shape "
+                             f"{leaf.shape}). Restore into a state built like the one saved")
+        if tuple(entry["shape"]) != leaf.shape:
+            raise ValueError(f"{where}: {leaf.name}: checkpoint has shape "
+                             f"{tuple(entry['shape'])}, state has {leaf.shape}")
+        if entry["dtype"] != str(leaf.dtype):
+            raise ValueError(f"{where}: {leaf.name}: checkpoint has dtype {entry['dtype']}, "
+                             f"state has {leaf.dtype}. Restore into a state of the saved "
+                             "dtypes, then cast")
+    extra = sorted(set(saved) - {leaf.name for leaf in found})
+    if extra:
+        raise ValueError(f"{where}: in checkpoint but not in state: {extra[0]}. Restore into a "
+                         "state built like the one saved")
 
 
 def _manager_options(max_to_keep: int | None) -> ocp.CheckpointManagerOptions:
     policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(max_to_keep)
     return ocp.CheckpointManagerOptions(
         preservation_policy=policy, enable_async_checkpointing=False, create=False,
-        cleanup_tmp_directories=True,  # leftovers of a killed save (process 0 deletes them)
+        # Readers must never delete: leftovers of a killed save are removed by `save`.
+        cleanup_tmp_directories=False,
+        # Old steps leave by one rename (a reader sees all of a step or none of it).
+        todelete_subdir=_TRASH,
+        # Do not read every step's metadata at construction: a writer may be deleting one.
+        lightweight_initialize=True,
         multiprocessing_options=_multiprocessing_options())
 
 
@@ -220,22 +356,23 @@ def _multiprocessing_options() -> ocp.options.MultiprocessingOptions:
 def _registry(mp: ocp.options.MultiprocessingOptions) -> ocp.handlers.CheckpointHandlerRegistry:
     """Which orbax handler saves each item (so that a fresh manager can restore quietly)."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state, loader = (ocp.StandardCheckpointHandler(multiprocessing_options=mp),
-                     ocp.JsonCheckpointHandler(multiprocessing_options=mp))
-    for args, item, handler in ((ocp.args.StandardSave, _STATE, state),
-                                (ocp.args.StandardRestore, _STATE, state),
-                                (ocp.args.JsonSave, _LOADER, loader),
-                                (ocp.args.JsonRestore, _LOADER, loader)):
-        registry.add(item, args, handler)
+    state = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
+    for item in (_LOADER, _INTEGRITY):
+        json_handler = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
+        registry.add(item, ocp.args.JsonSave, json_handler)
+        registry.add(item, ocp.args.JsonRestore, json_handler)
+    registry.add(_STATE, ocp.args.StandardSave, state)
+    registry.add(_STATE, ocp.args.StandardRestore, state)
     return registry
 
 
 def _as_step(step: Any) -> int:
     try:
+        if isinstance(step, bool):
+            raise TypeError
         value = operator.index(step)
     except TypeError:
-        raise TypeError(f"step={step!r} must be an integer, e.g. "
-                        "int(jdp.unreplicate(state).step)") from None
+        raise TypeError(f"step={step!r} must be an integer, e.g. int(state.step)") from None
     if value < 0:
         raise ValueError(f"step={value} must be >= 0")
     return value
@@ -244,6 +381,9 @@ def _as_step(step: Any) -> int:
 def _loader_position(loader: Any) -> dict | None:
     if loader is None:
         return None
+    if not callable(getattr(loader, "state_dict", None)):
+        raise TypeError(f"Checkpointer.save: loader={type(loader).__name__} has no "
+                        "state_dict(); pass a jdp.data.Loader, or loader=None")
     position = loader.state_dict()
     try:
         json.dumps(position)
@@ -251,88 +391,3 @@ def _loader_position(loader: Any) -> dict | None:
         raise TypeError(f"{type(loader).__name__}.state_dict() must return JSON-serialisable "
                         f"data to be checkpointed; got {position!r} ({e})") from None
     return position
-
-
-def _array_leaves(tree: Any) -> Iterator[tuple[Any, Any]]:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, (jax.Array, np.ndarray)):
-            yield path, leaf
-
-
-def _keys(path: Any) -> tuple[str, ...]:
-    """A tree path as the string keys of the nested dict that is saved."""
-    # DictKey / FlattenedIndexKey have .key, GetAttrKey .name, SequenceKey .idx.
-    keys = tuple(str(next((getattr(e, a) for a in ("key", "name", "idx") if hasattr(e, a)), e))
-                 for e in path)
-    return keys or ("value",)
-
-
-def _per_device(path: Any, leaf: Any, where: str) -> tuple[tuple[int, ...], Any]:
-    """(shape, dtype) of one device's copy of a replicated leaf; ValueError if not replicated."""
-    n = jax.local_device_count()
-    if leaf.ndim == 0 or leaf.shape[0] != n:
-        raise ValueError(
-            f"{where}: leaf {_name(path)} has shape {leaf.shape}; expected a replicated state, "
-            f"whose leaves have a leading axis of {n} (jax.local_device_count()). Pass the "
-            "state from jdp.replicate(...) or from a jdp step, not a single copy")
-    return leaf.shape[1:], leaf.dtype
-
-
-def _host_tree(state: Any) -> dict:
-    """Device 0's copy of every array leaf of `state`, as a nested dict of numpy arrays."""
-    flat = {}
-    for path, leaf in _array_leaves(state):
-        _per_device(path, leaf, "Checkpointer.save")
-        data = leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf  # [1, ...]
-        # A copy, not a view: a later donated step may reuse the device buffer.
-        flat[_keys(path)] = np.array(np.asarray(data)[0])
-    if not flat:
-        raise ValueError(f"Checkpointer.save: the state {type(state).__name__} has no array "
-                         "leaves, so there is nothing to save; pass the replicated train state")
-    return traverse_util.unflatten_dict(flat)
-
-
-def _fill(state: Any, saved: dict[tuple, np.ndarray]) -> Any:
-    """`state` with each array leaf replaced by `saved`'s value, replicated like the leaf."""
-    where = "Checkpointer.restore"
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    out = []
-    for path, leaf in leaves:
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            out.append(leaf)
-            continue
-        shape, dtype = _per_device(path, leaf, where)
-        value = saved.pop(_keys(path), None)
-        if value is None:
-            raise ValueError(f"{where}: the checkpoint does not match the state: missing in "
-                             f"checkpoint: {_name(path)} (state has shape {shape}). Restore "
-                             "into a state built like the one that was saved")
-        value = np.asarray(value)
-        _check_leaf(path, value, shape, dtype)
-        out.append(_replicate_like(value, leaf))
-    if saved:
-        extra = next(iter(saved))
-        raise ValueError(f"{where}: the checkpoint does not match the state: in checkpoint but "
-                         f"not in state: {extra[0]}{''.join(f'[{k!r}]' for k in extra[1:])}. "
-                         "Restore into a state built like the one that was saved")
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _check_leaf(path: Any, value: np.ndarray, shape: tuple, dtype: Any) -> None:
-    if value.shape != shape:
-        raise ValueError(f"Checkpointer.restore: the checkpoint does not match the state: "
-                         f"{_name(path)}: checkpoint has shape {value.shape}, state has {shape}")
-    if value.dtype != dtype:
-        raise ValueError(f"Checkpointer.restore: the checkpoint does not match the state: "
-                         f"{_name(path)}: checkpoint has dtype {value.dtype}, state has {dtype}. "
-                         "Restore into a state of the saved dtypes, then cast")
-
-
-def _replicate_like(value: np.ndarray, leaf: Any) -> Any:
-    """`value` copied onto each device that `leaf` is replicated over."""
-    copies = np.broadcast_to(value, leaf.shape)
-    return jax.device_put(copies, leaf.sharding) if isinstance(leaf, jax.Array) else copies.copy()
-
-
-def _name(path: Any) -> str:
-    return jax.tree_util.keystr(path).lstrip(".") or "<root>"

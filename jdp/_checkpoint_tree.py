@@ -1,0 +1,139 @@
+"""A train state as a checkpoint sees it: one logical value per array leaf, and back.
+
+Two layouts reach the Checkpointer. Stacked (`jdp.replicate`, pmap): every leaf
+`[local_devices, ...]`, one identical copy per device; its logical value is one copy, on the
+host. Global (`jdp.broadcast`): every leaf a global `jax.Array` on `jdp.mesh()`; its logical
+value is the array itself, which orbax writes shard by shard (each shard once, by the process
+that holds it) and reads back straight into any target sharding. A checkpoint holds logical
+values only, so it restores into either layout, on any device or process count.
+
+Leaves that later carry a different physical form (ZeRO's padded, sharded optimizer state) plug
+in at the two leaf functions, `logical` (save) and `place` (restore).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import traverse_util
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+from jdp._mesh import AXIS
+from jdp.state import unreplicate
+
+
+class Leaf(NamedTuple):
+    """One array leaf of a state: where it sits, its checkpoint name, its logical form."""
+    path: Any
+    keys: tuple[str, ...]
+    leaf: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def name(self) -> str:
+        return "/".join(self.keys)
+
+
+def leaves(state: Any, where: str) -> tuple[list[Leaf], bool]:
+    """The array leaves of `state` in its logical form, and whether it is stacked."""
+    found = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+             if isinstance(x, (jax.Array, np.ndarray))]
+    if not found:
+        raise ValueError(f"{where}: the state {type(state).__name__} has no array leaves, so "
+                         "there is nothing to checkpoint; pass the train state (from "
+                         "jdp.broadcast or jdp.replicate)")
+    stacked = _is_stacked([x for _, x in found])
+    out = [Leaf(p, _keys(p), x, tuple(x.shape[1:] if stacked else x.shape), np.dtype(x.dtype))
+           for p, x in found]
+    names = [leaf.name for leaf in out]
+    if len(set(names)) != len(names):
+        twin = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"{where}: two leaves of the state are both named {twin!r} in a "
+                         "checkpoint (keys that differ only in type, such as 0 and '0'); "
+                         "rename one")
+    return out, stacked
+
+
+def _keys(path: Any) -> tuple[str, ...]:
+    """A tree path as the string keys of the nested dict that orbax saves."""
+    return tuple(jax.tree_util.keystr((k,), simple=True) for k in path) or ("value",)
+
+
+def _is_stacked(arrays: list) -> bool:
+    """Whether the state is in the stacked layout: every jax.Array one copy per local device.
+
+    Decided for the whole state, not per leaf: on one process a global leaf sharded along
+    `jdp.AXIS` (ZeRO) looks like a stacked one, but a global state also holds replicated
+    leaves (the parameters), so it never has all of its leaves stacked.
+    """
+    n = jax.local_device_count()
+    devices = [x for x in arrays if isinstance(x, jax.Array)]
+    return bool(devices) and all(_stacked_leaf(x, n) for x in devices) and all(
+        np.ndim(x) and x.shape[0] == n for x in arrays)
+
+
+def _stacked_leaf(x: jax.Array, n: int) -> bool:
+    if x.ndim == 0 or x.shape[0] != n or not x.is_fully_addressable:
+        return False
+    if isinstance(x.sharding, NamedSharding):
+        return len(x.sharding.spec) > 0 and x.sharding.spec[0] == AXIS
+    return n == 1 or not x.sharding.is_fully_replicated
+
+
+def logical(leaf: Leaf, stacked: bool) -> Any:
+    """What is saved for a leaf: device 0's copy (stacked) or the global array itself."""
+    if stacked:
+        # A host copy, not a view: a later donated step may reuse the device buffer.
+        return np.array(unreplicate(leaf.leaf))
+    return leaf.leaf
+
+
+def host_value(value: Any) -> np.ndarray:
+    """The whole logical value on the host (for checksums); a collective if it is sharded
+    over processes, so every process calls it for the same leaves in the same order."""
+    if isinstance(value, np.ndarray):
+        return value
+    if value.is_fully_addressable:
+        return np.asarray(value)
+    if value.sharding.is_fully_replicated:
+        return np.asarray(value.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def saved_tree(items: dict[tuple[str, ...], Any]) -> dict:
+    """{keys: value} as the nested dict orbax saves and restores."""
+    return traverse_util.unflatten_dict(items)
+
+
+def saved_flat(nested: dict) -> dict[tuple[str, ...], Any]:
+    """The nested dict orbax restored as {keys: value}."""
+    return traverse_util.flatten_dict(nested)
+
+
+def target(leaf: Leaf, stacked: bool) -> Any:
+    """What orbax restores a leaf as: host numpy, or a global array with the leaf's sharding."""
+    if stacked or isinstance(leaf.leaf, np.ndarray):
+        # A zero-byte view of the right shape and dtype: orbax reads it as "numpy, please".
+        return np.broadcast_to(np.empty((), leaf.dtype), leaf.shape)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.leaf.sharding)
+
+
+def place(value: Any, leaf: Leaf, stacked: bool) -> Any:
+    """A restored logical value laid out like the template leaf."""
+    if stacked:
+        copies = np.broadcast_to(value, leaf.leaf.shape)
+        if isinstance(leaf.leaf, np.ndarray):
+            return copies.copy()
+        return jax.device_put(copies, leaf.leaf.sharding)
+    return np.array(value) if isinstance(leaf.leaf, np.ndarray) else value
+
+
+def rebuild(state: Any, values: list) -> Any:
+    """`state` with its array leaves, in `leaves()` order, replaced by `values`."""
+    flat, treedef = jax.tree.flatten(state)
+    given = iter(values)
+    return jax.tree.unflatten(treedef, [next(given) if isinstance(x, (jax.Array, np.ndarray))
+                                        else x for x in flat])

@@ -1,0 +1,84 @@
+"""Integrity records of checkpoints: what each array was at save, checked at restore.
+
+orbax and tensorstore check neither the bytes of an array nor that every file is present: a few
+bytes overwritten inside a data file restore as wrong numbers, and a truncated or deleted file
+fails 20 frames deep in tensorstore. So every checkpoint carries a small JSON record (the
+`integrity` item) with each array's shape, dtype and CRC32 of its bytes, computed on the host
+from the logical value (one copy, whatever the layout), plus a CRC32 of the loader position.
+A restore compares what it read against the record, and every read failure becomes `Damaged`,
+naming the file or the array, so that the Checkpointer can fall back to an older checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from typing import Any
+
+import numpy as np
+
+FORMAT = 1
+RECORD_FILE = "integrity/metadata"  # where orbax's JsonSave puts the record inside a step
+
+
+class Damaged(Exception):
+    """A checkpoint's files are missing, unreadable or differ from its integrity record."""
+
+
+class CorruptCheckpointError(ValueError):
+    """Raised by `Checkpointer.restore(step=k)` when checkpoint k fails verification."""
+
+
+def crc32(value: np.ndarray) -> int:
+    """CRC32 of an array's bytes in C order (any dtype, 0-d included)."""
+    return zlib.crc32(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+
+
+def position_crc32(position: Any) -> int | None:
+    """CRC32 of a loader position's canonical JSON (None when there is none)."""
+    if position is None:
+        return None
+    return zlib.crc32(json.dumps(position, sort_keys=True).encode())
+
+
+def record(values: dict[str, np.ndarray], position: Any) -> dict:
+    """The integrity record of one checkpoint: {name: shape, dtype, crc32} + the loader's."""
+    arrays = {name: {"shape": list(v.shape), "dtype": str(v.dtype), "crc32": crc32(v)}
+              for name, v in values.items()}
+    return {"format": FORMAT, "arrays": arrays, "loader_crc32": position_crc32(position)}
+
+
+def checked_record(data: Any) -> dict:
+    """`data` if it is a well-formed record; Damaged otherwise."""
+    if not (isinstance(data, dict) and data.get("format") == FORMAT
+            and isinstance(data.get("arrays"), dict) and "loader_crc32" in data):
+        raise Damaged(f"{RECORD_FILE}: not a jdp integrity record (format {FORMAT})")
+    return data
+
+
+def verify(name: str, value: np.ndarray, entry: dict) -> None:
+    """Damaged unless `value` is what the record says array `name` was at save."""
+    got = (list(value.shape), str(value.dtype), crc32(value))
+    want = (entry["shape"], entry["dtype"], entry["crc32"])
+    if got != want:
+        raise Damaged(f"array {name}: read {_describe(got)}, saved {_describe(want)}")
+
+
+def verify_position(position: Any, want: int | None) -> None:
+    """Damaged unless the loader position read back is the one saved."""
+    got = position_crc32(position)
+    if got != want:
+        raise Damaged(f"loader position: CRC32 {got} read, {want} saved")
+
+
+def from_error(error: BaseException, step_dir: str, what: str) -> Damaged:
+    """A read failure of `what` in `step_dir` as Damaged naming the file, in one line."""
+    text = " ".join(str(error).split())
+    files = re.findall(re.escape(step_dir.rstrip("/")) + r"/([^\s'\"\]\),;:]+)", text)
+    where = files[0] if files else what
+    return Damaged(f"{where}: {type(error).__name__}: {text[:300]}")
+
+
+def _describe(info: tuple) -> str:
+    shape, dtype, crc = info
+    return f"shape {tuple(shape)} {dtype} CRC32 {crc:#010x}"
