@@ -73,6 +73,45 @@ def _restore(directory: str, out: str) -> None:
     np.savez(out, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
 
 
+def global_state(state):
+    """`state` as the global layout: every array leaf replicated on jdp's mesh (no device axis)."""
+    from jdp._mesh import replicated
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), replicated()), state)
+
+
+def _dump(out: str, **states) -> None:
+    """Save {state name + leaf path: every addressable shard stacked} for the parent to check."""
+    arrays = {}
+    for label, state in states.items():
+        for p, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            key = f"{label}{jax.tree_util.keystr(p)}"
+            arrays[key] = np.stack([np.asarray(s.data) for s in x.addressable_shards])
+            arrays[f"{key}.replicated"] = np.asarray(x.sharding.is_fully_replicated)
+    np.savez(out, **arrays)
+
+
+def _restore_both(directory: str, out: str) -> None:
+    """Restore the newest checkpoint into the global and the stacked layout of this process."""
+    ckpt = jdp.checkpoint.Checkpointer(directory)
+    _dump(out, global_=ckpt.restore(global_state(make_state(99))),
+          stacked=ckpt.restore(jdp.replicate(make_state(99))))
+
+
+def _two_process_global(directory: str, out: str) -> None:
+    """Both processes save a global state spanning them; restore it in both layouts."""
+    jdp.initialize()
+    from jdp._mesh import replicated
+    to_global = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.make_array_from_process_local_data(replicated(), np.asarray(x)), tree)
+    state = to_global(make_state(4))
+    assert not state.params["Dense_0"]["kernel"].is_fully_addressable
+    ckpt = jdp.checkpoint.Checkpointer(directory, timeout_s=30)
+    ckpt.save(3, state)
+    fresh = jdp.checkpoint.Checkpointer(directory, timeout_s=30)
+    _dump(f"{out}.{jax.process_index()}.npz", global_=fresh.restore(to_global(make_state(99))),
+          stacked=fresh.restore(jdp.replicate(make_state(99))))
+
+
 def _two_process(directory: str, out: str) -> None:
     """Each process saves its own (rank-dependent) values; both restore; report the results."""
     jdp.initialize()
@@ -117,5 +156,5 @@ def _two_process(directory: str, out: str) -> None:
 
 if __name__ == "__main__":
     mode, directory, out = sys.argv[1:4]
-    {"hang_in_rename": _hang_in_rename, "restore": _restore,
-     "two_process": _two_process}[mode](directory, out)
+    {"hang_in_rename": _hang_in_rename, "restore": _restore, "restore_both": _restore_both,
+     "two_process": _two_process, "two_process_global": _two_process_global}[mode](directory, out)
