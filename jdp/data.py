@@ -193,7 +193,7 @@ class Loader:
         if not self.num_workers:
             return functools.partial(_batches.host_batch, self._recipe, plan)
         if self._pool is not None and self._pool.broken:
-            self.close()
+            self._stop_workers()
         if self._pool is None:
             self._pool = _workers.Pool(self._pickled, self.num_workers)
             self._stop_pool = weakref.finalize(self, self._pool.close)
@@ -205,6 +205,9 @@ class Loader:
         Workers also stop when the Loader is garbage-collected and at interpreter exit.
         """
         self._close_active()
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
         if self._stop_pool is not None:
             self._stop_pool()
         self._pool = self._stop_pool = None
