@@ -94,13 +94,13 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
             f.write(_pickled(fn, args))
         cmd = [sys.executable, "-u", RUNNER, "--spawn", payload]
         port = _net.free_port()
-        specs = [_supervisor.RankSpec(r, cmd, _env(r, nprocs, port, tmp, devices_per_process))
+        specs = [_supervisor.RankSpec(r, cmd, _rank_env(r, nprocs, port, tmp, devices_per_process))
                  for r in range(nprocs)]
         outcome = _supervisor.run(specs, _supervisor.Output(), limits)
         _raise_for(outcome, tmp, nprocs, limits)
 
 
-def _env(rank: int, nprocs: int, port: int, tmp: str, devices_per_process: int | None) -> dict:
+def _rank_env(rank: int, nprocs: int, port: int, tmp: str, devices_per_process: int | None) -> dict:
     """Rank `rank`'s environment: the launcher's variables, and an error file under `tmp`."""
     env = _supervisor.rank_env(os.environ, rank=rank, local_rank=rank, world_size=nprocs,
                                local_world_size=nprocs, node_rank=0, master_addr="127.0.0.1",

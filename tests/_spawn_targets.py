@@ -35,3 +35,20 @@ def killed_on_rank(rank: int, bad_rank: int) -> None:
     if rank == bad_rank:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
+
+
+def stuck_at_step(rank: int, bad_rank: int, stuck_step: int) -> None:
+    """Steps of a pmap psum, each recorded as progress; rank `bad_rank` sleeps at `stuck_step`."""
+    import jax
+    import numpy as np
+
+    from jdp import _progress
+
+    step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
+    x = np.ones(jax.local_device_count(), np.float32)
+    for step in range(1, 10**6):
+        _progress.record("data", step - 1)
+        if rank == bad_rank and step == stuck_step + 1:
+            time.sleep(10**6)   # STUCK HERE
+        _progress.record("step", step)
+        step_fn(x).block_until_ready()
