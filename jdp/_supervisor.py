@@ -107,9 +107,11 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
 
 CONSOLE = Output()
 """Ranks' output on the console only (the default)."""
+DEFAULT_LIMITS = Limits()
+"""Short grace after failures, 30 s stop grace, no time limit, no watchdog."""
 
 
-def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = Limits()
+def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DEFAULT_LIMITS
         ) -> Outcome:
     """Start every rank, supervise them to the end, and leave no process behind.
 

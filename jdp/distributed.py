@@ -21,13 +21,14 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
 # Private, for want of a public API: JAX exposes no handle on the coordination-service client
 # of `jax.distributed` (wanted: its timed `wait_at_barrier`; multihost_utils.sync_global_devices
 # is a device collective with no timeout) nor the coordinator address a job was started with.
 from jax._src import distributed as _jax_distributed
 from jax.experimental import multihost_utils
 
-from jdp import _env, _exit, _malloc, _net
+from jdp import _exit, _malloc, _net
 
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30

@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the job when no rank made progress for S seconds (default off;\n"
                         "env JDP_PROGRESS_TIMEOUT); see 'stuck ranks' below")
     p.add_argument("--stop_grace", "--stop-grace", type=float,
-                   default=None, metavar="S", help="after SIGTERM, seconds the processes get to save and leave\n"
-                                     "before SIGKILL (default 30; env JDP_STOP_GRACE)")
+                   default=None, metavar="S",
+                   help="after SIGTERM, seconds the processes get to save and leave\n"
+                        "before SIGKILL (default 30; env JDP_STOP_GRACE)")
     p.add_argument("--compilation_cache", "--compilation-cache", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache directory, or 'off'\n"
                         "(default: see 'compilation cache' below)")

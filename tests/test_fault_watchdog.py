@@ -6,7 +6,6 @@ within 25 s of the stall, name rank 1 with its step and phase, show the line of 
 and leave no process behind.
 """
 import os
-import subprocess
 import time
 
 import _spawn_targets as targets
