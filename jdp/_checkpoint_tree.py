@@ -52,8 +52,8 @@ def leaves(state: Any, where: str) -> tuple[list[Leaf], bool]:
     if len(set(names)) != len(names):
         twin = next(n for n in names if names.count(n) > 1)
         raise ValueError(f"{where}: two leaves of the state are both named {twin!r} in a "
-                         "checkpoint (keys that differ only in type, such as 0 and '0'); "
-                         "rename one")
+                         "checkpoint (a key holding '/', such as 'a/b' beside a "
+                         "nested 'a': {'b'}); rename one")
     return out, stacked
 
 

@@ -282,7 +282,12 @@ class Checkpointer:
 
     def _prepare_to_write(self) -> None:
         """Create the directory; on process 0, delete what crashed earlier writers left."""
-        self._root.mkdir(parents=True, exist_ok=True)
+        try:
+            self._root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"Checkpointer.save: cannot create the checkpoint directory "
+                             f"{self.directory!r} ({e.strerror or e}); pass a writable "
+                             "directory path") from None
         if jax.process_index() == 0:
             for path in self._root.iterdir():
                 if _LEFTOVER.match(path.name):
