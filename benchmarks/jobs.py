@@ -1,40 +1,45 @@
 """The benchmark jobs: command lines and environments, one function per kind of job.
 
-    jax_job     one process with k simulated CPU devices (XLA_FLAGS set before jax starts)
-    launch_job  `python -m jdp.launch --nproc_per_node N --devices_per_process k`, gloo
-    torch_job   `python -m torch.distributed.run --nproc_per_node N`, gloo, 1 thread per rank
-
-Each runs a worker (`benchmarks.worker` or `benchmarks.torch_ddp`) that answers requests in its
-own control directory (`benchmarks.protocol`).
+Each runs a worker (`benchmarks.worker` or `benchmarks.torch_ddp`) serving requests in its own
+control directory (`benchmarks.harness`). `malloc="default"` jobs run with
+`JDP_MALLOC_TUNING=0` (glibc's defaults); "tuned" jobs get jdp's allocator settings
+(`jdp._malloc.ENV`, which glibc reads at start; `jdp.initialize()` applies the same).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from jdp._malloc import ENV as MALLOC_ENV
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                "MASTER_ADDR", "MASTER_PORT", "XLA_FLAGS", "OMP_NUM_THREADS")
+# The torchrun variable names: the suite's only copy. Once jdp owns them in one place, this
+# assignment becomes that import (e.g. `from jdp._supervisor import RANK_ENV as _RANK_VARS`).
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+              "MASTER_ADDR", "MASTER_PORT")
 
 
 class Job(NamedTuple):
+    """One configuration: its name, control directory, command line and environment."""
     name: str
-    control: str   # the job's directory of requests and answers (benchmarks.protocol)
+    control: str
     argv: list
     env: dict
 
 
-def base_env(**extra: str) -> dict:
-    """This process's environment without launcher variables or device flags, CPU only,
-    with the repository importable."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+def base_env(malloc: str = "default", **extra: str) -> dict:
+    """This process's environment without launcher variables or device flags, CPU only, the
+    repository importable, and the allocator as asked."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*_RANK_VARS, "XLA_FLAGS", "OMP_NUM_THREADS", *MALLOC_ENV)}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
-    env.update(extra)
-    return env
+    env.update({"JDP_MALLOC_TUNING": "0"} if malloc == "default" else MALLOC_ENV)
+    return {**env, **extra}
 
 
 def device_flags(devices: int) -> str:
@@ -49,47 +54,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _malloc_env(malloc: str) -> dict:
-    """`JDP_MALLOC_TUNING=0` for the "default" jobs: it turns off jdp's own allocator tuning
-    (`jdp.initialize()` and the launcher, jdp/_malloc.py), so they measure glibc's defaults."""
-    return {"JDP_MALLOC_TUNING": "0"} if malloc == "default" else {}
-
-
-def _worker_args(control: str, variants: Sequence[str], per_device: int, malloc: str) -> list:
-    """Arguments of `python -m benchmarks.worker` for one job."""
-    return ["-m", "benchmarks.worker", "--control", control, "--variants", ",".join(variants),
-            "--per-device", str(per_device), "--malloc", malloc]
-
-
 def jax_job(name: str, control: str, devices: int, variants: Sequence[str],
-            per_device: int, malloc: str = "default") -> Job:
+            malloc: str) -> Job:
     """One process with `devices` simulated CPU devices."""
-    return Job(name, control,
-               [sys.executable, *_worker_args(control, variants, per_device, malloc)],
-               base_env(XLA_FLAGS=device_flags(devices), **_malloc_env(malloc)))
+    argv = [sys.executable, "-m", "benchmarks.worker", control, ",".join(variants)]
+    return Job(name, control, argv, base_env(malloc, XLA_FLAGS=device_flags(devices)))
 
 
-def launch_job(name: str, control: str, nproc: int, devices_per_process: int,
-               variants: Sequence[str], per_device: int, malloc: str = "default") -> Job:
-    """`nproc` processes under jdp's launcher, `devices_per_process` devices each."""
+def launch_job(name: str, control: str, nproc: int, variants: Sequence[str],
+               malloc: str) -> Job:
+    """`nproc` processes of 1 device each under jdp's launcher (gloo)."""
     argv = [sys.executable, "-m", "jdp.launch", "--nproc_per_node", str(nproc),
-            "--devices_per_process", str(devices_per_process), "--master_port", str(free_port()),
-            *_worker_args(control, variants, per_device, malloc)]
-    return Job(name, control, argv, base_env(**_malloc_env(malloc)))
+            "--devices_per_process", "1", "--master_port", str(free_port()),
+            "-m", "benchmarks.worker", control, ",".join(variants)]
+    return Job(name, control, argv, base_env(malloc))
 
 
-def torch_job(name: str, control: str, nproc: int, per_rank: int, threads: int = 1,
-              malloc: str = "default") -> Job:
-    """`nproc` PyTorch DDP ranks under torchrun, `threads` threads each."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-            "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), "-m", "benchmarks.torch_ddp",
-            "--control", control, "--per-rank", str(per_rank), "--threads", str(threads),
-            "--malloc", malloc]
-    return Job(name, control, argv, base_env(OMP_NUM_THREADS=str(threads), **_malloc_env(malloc)))
+def torch_job(name: str, control: str, nproc: int, malloc: str) -> Job:
+    """`nproc` PyTorch DDP ranks of 1 thread each under torchrun (gloo)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+            str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            "-m", "benchmarks.torch_ddp", control]
+    return Job(name, control, argv, base_env(malloc, OMP_NUM_THREADS="1"))
 
 
 def torch_available() -> bool:
     """Whether PyTorch can be imported here (found, without importing it)."""
-    import importlib.util
     return importlib.util.find_spec("torch") is not None

@@ -1,146 +1,172 @@
-"""A JAX benchmark process: `python -m benchmarks.worker --control DIR [options]`.
+"""A JAX benchmark process: `python -m benchmarks.worker CONTROL_DIR VARIANT[,VARIANT...]`.
 
-Started by `benchmarks.run` with `XLA_FLAGS=--xla_force_host_platform_device_count=k` (one
-process, k devices) or under `python -m jdp.launch` (one rank of a multi-process job). It builds
-the requested step variants, compiles and warms them up, then answers the parent's requests
-(`benchmarks.protocol`):
+Started with k simulated devices (XLA_FLAGS) or as one rank under `python -m jdp.launch`, it
+builds and compiles its step variants once, then answers the parent's requests
+(`benchmarks.harness`). Every variant trains the MNIST CNN of `examples/mnist.py` with its
+loss, 64 examples per device, SGD momentum 0.9 at lr 0.05 (as the PyTorch peer), donated state:
 
-    {"op": "time", "variant": "jdp", "steps": 20}  -> {"seconds": ..., "samples": ..., faults}
-    {"op": "paired", "a": "jdp", "b": "hand", "steps": 5, "reps": 6} -> {"ratio": ...}
-    {"op": "hlo", "variant": "jdp"}                -> all-reduce ops/bytes and the expected bytes
-    {"op": "profile", "variant": "jdp", "steps": 5} -> CPU ms per step by layer and pass
-    {"op": "loader", ...}                          -> jdp.data.Loader throughput (benchmarks.loader)
-
-Variants (all the example's CNN and loss, SGD momentum, donated state):
-    jdp             jdp.train_step, as examples/mnist.py builds it
-    hand            a hand-written jax.pmap + lax.pmean step doing the same work
-    shardmap        jdp.train_step(..., backend="shard_map"): jit + shard_map instead of pmap
-    jdp_<model>     jdp.train_step over another formulation of the CNN (cnn.MODELS), e.g.
-                    jdp_scaleshift: scale-and-shift BatchNorm
+    jdp       jdp.train_step as examples/mnist.py builds it (stacked pmap layout)
+    hand      a hand-written jax.pmap + lax.pmean step doing the same work
+    shardmap  jdp.train_step(..., backend="shard_map")
+    maxpool   jdp with the CNN pooled by flax's `nn.max_pool`, as flax code usually pools: its
+              gradient is XLA's select-and-scatter, slow on CPU, which reshape-and-max avoids
+    global    jdp.broadcast state + Loader(layout="global") batch, same jdp.train_step
 """
 from __future__ import annotations
 
-import argparse
+import collections
+import importlib.util
+import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
 
 import jdp
-from benchmarks import cnn, hlo, malloc, protocol
+from benchmarks import harness, hlo
+from jdp._mesh import local_sharding
 
+_spec = importlib.util.spec_from_file_location("jdp_examples_mnist", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mnist.py"))
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
 METRIC_SCALARS = 2  # "loss" and the example's "accuracy"
+
+
+class MaxPoolCNN(nn.Module):
+    """The example's CNN with `nn.max_pool(x, (2, 2), (2, 2))`."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = x.astype(jnp.float32) / 255.0
+        for features in (32, 64):
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(
+                nn.Conv(features, (3, 3))(x))
+            x = nn.max_pool(nn.relu(x), (2, 2), (2, 2))
+        return nn.Dense(10)(nn.relu(nn.Dense(128)(x.reshape(x.shape[0], -1))))
+
+
+def hand_step(apply_fn: Callable) -> Callable:
+    """A hand-written pmap step doing jdp's work: gradients, BatchNorm statistics and metrics
+    averaged over devices (XLA merges them into one all-reduce), donated state."""
+    def device_step(state, batch):
+        def loss(params):
+            return example.loss_fn(params, batch, state.model_state, apply_fn)
+        (value, (metrics, stats)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        state = state.apply_gradients(grads=lax.pmean(grads, jdp.AXIS))
+        state = state.replace(model_state=lax.pmean(stats, jdp.AXIS))
+        return state, lax.pmean({"loss": value, **metrics}, jdp.AXIS)
+
+    return jax.pmap(device_step, axis_name=jdp.AXIS, donate_argnums=(0,))
 
 
 class Variant(NamedTuple):
     step: Callable
     state: Any
+    batch: Any
 
 
-def build(name: str) -> Variant:
-    """A step variant and its replicated state."""
-    model = name.split("_", 1)[1] if name.startswith("jdp_") else "example"
-    state = cnn.create_state(model)
-    if name == "hand":
-        step = cnn.hand_step(state.apply_fn)
-    elif name == "shardmap":
-        step = cnn.jdp_step(state.apply_fn, backend="shard_map")
-    else:
-        step = cnn.jdp_step(state.apply_fn)
-    return Variant(step, jdp.replicate(state))
+def build(name: str, per_device: int) -> Variant:
+    """A step variant with its placed state and a fixed random batch."""
+    model = MaxPoolCNN() if name == "maxpool" else example.CNN()
+    v = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1), jnp.uint8), train=False)
+    state = jdp.TrainState.create(apply_fn=model.apply, params=v["params"],
+                                  tx=optax.sgd(0.05, momentum=0.9), model_state=v["batch_stats"])
+    rng, size = np.random.default_rng(jax.process_index()), per_device * jax.local_device_count()
+    data = {"image": rng.integers(0, 256, (size, 28, 28, 1), dtype=np.uint8),
+            "label": rng.integers(0, 10, size, dtype=np.int32)}
+    step = jdp.train_step(lambda p, b, s: example.loss_fn(p, b, s, model.apply), has_aux=True,
+                          **({"backend": "shard_map"} if name == "shardmap" else {}))
+    if name == "global":
+        batch = next(iter(jdp.data.Loader(data, size, layout="global")))
+        return Variant(step, jdp.broadcast(state), batch)
+    batch = jax.device_put(jdp.shard(data), local_sharding())
+    return Variant(hand_step(model.apply) if name == "hand" else step, jdp.replicate(state), batch)
 
 
 class Bench:
     """The variants of this process and the request handlers over them."""
 
-    def __init__(self, names: list[str], per_device: int):
-        self.per_device = per_device
-        self.batch = cnn.device_batch(per_device, seed=jax.process_index())
+    def __init__(self, names: list[str], per_device: int = 64):
         self.global_batch = per_device * jax.device_count()
-        self.variants = {name: build(name) for name in names}
-        for name in names:  # compile and warm up
+        self.variants = {n: build(n, per_device) for n in names
+                         if n != "global" or hasattr(jdp, "broadcast")}
+        for name in self.variants:  # compile and warm up
             self._run(name, 3)
 
     def _run(self, name: str, steps: int) -> None:
-        """Run `steps` steps of a variant (waiting for the last) and keep its new state."""
-        variant = self.variants[name]
-        state = cnn.run_steps(variant.step, variant.state, self.batch, steps)
-        self.variants[name] = variant._replace(state=state)
+        """`steps` steps of a variant, at most 2 queued (many queued multi-device CPU
+        all-reduces can stall XLA's rendezvous; jdp bounds its own the same way)."""
+        v, pending, metrics = self.variants[name], collections.deque(), None
+        state = v.state
+        for _ in range(steps):
+            state, metrics = v.step(state, v.batch)
+            pending.append(metrics)
+            if len(pending) > 2:
+                jax.block_until_ready(pending.popleft())
+        self.variants[name] = v._replace(state=jax.block_until_ready((state, metrics))[0])
 
     def time(self, request: dict) -> dict:
-        """Seconds for `steps` steps after one untimed step that lines the ranks up, and
-        this process's page faults and CPU time over them (`protocol.timed`)."""
+        """`harness.timed` over `steps` steps, after one untimed step that lines ranks up."""
         self._run(request["variant"], 1)
-        return protocol.timed(lambda: self._run(request["variant"], request["steps"]),
-                              request["steps"], self.global_batch)
+        return harness.timed(lambda: self._run(request["variant"], request["steps"]),
+                             request["steps"], self.global_batch)
 
     def paired(self, request: dict) -> dict:
-        """Throughput ratio of variant "a" to variant "b", alternating them `reps` times
-        (a b b a a b ...) in short bursts, so that both see the same load; for comparisons
-        finer than the round-to-round noise (jdp's wrapper against a hand-written step)."""
+        """Throughput ratio a / b from short bursts alternated a b b a ...: both see the same
+        load, a finer measure than round-to-round ratios."""
         seconds = {request["a"]: 0.0, request["b"]: 0.0}
         for i in range(request["reps"]):
-            for name in (request["a"], request["b"])[::1 if i % 2 == 0 else -1]:
+            for name in (request["a"], request["b"])[:: 1 if i % 2 == 0 else -1]:
                 self._run(name, 1)
                 start = time.perf_counter()
                 self._run(name, request["steps"])
                 seconds[name] += time.perf_counter() - start
         return {"ratio": seconds[request["b"]] / seconds[request["a"]]}
 
+    def _compiled(self, name: str) -> Any:
+        v = self.variants[name]
+        return v.step.lower(v.state, v.batch).compile()
+
     def hlo(self, request: dict) -> dict:
-        """All-reduce ops and bytes of the compiled step, the bytes the trees predict, and
-        the step's scratch memory per device (what glibc's mmap threshold applies to)."""
-        variant = self.variants[request["variant"]]
-        compiled = variant.step.lower(variant.state, self.batch).compile()
-        found = hlo.all_reduces(compiled.as_text())
-        one = jdp.unreplicate(variant.state)
-        return {"ops": found.ops, "bytes": found.bytes, "arrays": found.arrays,
-                "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                "param_bytes": hlo.tree_bytes(one.params),
-                "model_state_bytes": hlo.tree_bytes(one.model_state, floating_only=True),
-                "metric_scalars": METRIC_SCALARS,
+        """All-reduce ops and bytes of the compiled step, what the trees predict, and the
+        step's scratch memory per device (what glibc's mmap threshold applies to)."""
+        name = request["variant"]
+        compiled = self._compiled(name)
+        found = hlo.collectives(compiled.as_text())["all-reduce"]
+        state = self.variants[name].state
+        one = state if name == "global" else jdp.unreplicate(state)
+        return {**found._asdict(), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                 "expected_bytes": hlo.expected_bytes(one.params, one.model_state,
                                                      METRIC_SCALARS)}
 
     def profile(self, request: dict) -> dict:
-        """CPU milliseconds per step by layer and pass (benchmarks.profile)."""
+        """CPU milliseconds per step by kind of op (`benchmarks.profile`)."""
         from benchmarks import profile
         name = request["variant"]
-        variant = self.variants[name]
-        text = variant.step.lower(variant.state, self.batch).compile().as_text()
-        return profile.breakdown(lambda n: self._run(name, n), text, request["steps"])
+        return profile.breakdown(lambda n: self._run(name, n),
+                                 self._compiled(name).as_text(), request["steps"])
 
     def loader(self, request: dict) -> dict:
-        """One loader-throughput measurement (benchmarks.loader)."""
-        from benchmarks import loader
-        return loader.measure(request)
+        """One run of `bench_loader.loader_throughput`: {"samples_per_s": ...}."""
+        from benchmarks.bench_loader import loader_throughput
+        return {"samples_per_s": loader_throughput(batch_size=request["batch_size"],
+                                                   num_batches=request["num_batches"], runs=1)}
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--control", required=True, help="directory of requests and answers")
-    p.add_argument("--variants", default="jdp", help="comma-separated variant names")
-    p.add_argument("--per-device", type=int, default=64, help="examples per device per step")
-    p.add_argument("--malloc", choices=["default", "tuned"], default="default",
-                   help="tuned: jdp._malloc.tune() (no per-step mmap of XLA's scratch)")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    """Tune the allocator if asked, join the job, build the variants, serve requests."""
-    args = parse_args(argv)
-    tuned = args.malloc == "tuned" and malloc.tune()
-    jdp.initialize()
-    bench = Bench(args.variants.split(","), args.per_device)
-    info = {"devices": jax.device_count(), "local_devices": jax.local_device_count(),
-            "processes": jax.process_count(), "global_batch": bench.global_batch,
-            "variants": list(bench.variants), "malloc_tuned": tuned}
-    protocol.serve(args.control, {"time": bench.time, "paired": bench.paired, "hlo": bench.hlo,
-                                 "profile": bench.profile,
-                                 "loader": bench.loader},
-                   primary=jax.process_index() == 0, info=info)
+    def handlers(self) -> dict[str, Callable[[dict], dict]]:
+        return {"time": self.time, "paired": self.paired, "hlo": self.hlo,
+                "profile": self.profile, "loader": self.loader}
 
 
 if __name__ == "__main__":
-    main()
+    jdp.initialize()
+    bench = Bench(sys.argv[2].split(","))
+    harness.serve(sys.argv[1], bench.handlers(), primary=jax.process_index() == 0,
+                  info={"variants": list(bench.variants)})

@@ -1,72 +1,136 @@
-"""The benchmark suite's pieces at a tiny size: they run and give sane numbers.
+"""The benchmark suite at a tiny size: every table renders, well-formed, from sane numbers.
 
-No timing is asserted (the machines are shared); only that the figures are finite and
-positive, that the compiled step all-reduces exactly the bytes the trees predict, and that the
-request protocol and the report work. The full suite is `make bench`.
+The suite's own measuring code (`run.measure`: calibration, interleaved rounds, paired ratios,
+loader, HLO and profile requests) runs against an in-process worker on the 8 test devices with
+2 examples per device, standing in for the 2-device jobs; the ZeRO table runs its own child
+processes at 1 and 2 devices with a tiny MLP. No timing is asserted (the machines
+are shared); only that figures are finite and positive, that the compiled step all-reduces
+exactly the bytes the trees predict, and that the tables are well-formed markdown. The full
+suite is `make bench`.
 """
-import json
 import math
-import subprocess
+import re
 import sys
 import textwrap
 
-import jax
-import numpy as np
 import pytest
 from conftest import REPO, child_env
 
+NUMBER = re.compile(r"-?\d[\d,]*\.?\d*(?:e[-+]?\d+)?")
+
+
+class InProcess:
+    """A `protocol.Worker` stand-in: requests go straight to a `worker.Bench`."""
+
+    def __init__(self, bench):
+        self.bench, self.info = bench, {"variants": list(bench.variants)}
+
+    def request(self, op, **request):
+        return self.bench.handlers()[op](request)
+
 
 @pytest.fixture(scope="module")
-def bench():
-    """A worker's benchmark object on the 8 test devices, 2 examples per device."""
-    from benchmarks import worker
-    return worker.Bench(["jdp", "hand", "shardmap"], per_device=2)
+def results():
+    from benchmarks import run, worker
+    bench = InProcess(worker.Bench(["jdp", "hand", "shardmap", "maxpool", "global"],
+                                   per_device=2))
+    settings = run.Settings(rounds=2, target_s=0.01, loader_batches=2, malloc_scaling=False,
+                            profile=True, zero_params=3000, zero_devices=(1, 2))
+    r = run.measure({"2dev": bench, "2dev+malloc": bench}, settings)
+    return {**r, "settings": settings._asdict(), "generated": "now", "command": "pytest",
+            "started": 0.0, "load_before": (0, 0, 0), "notes": ["a note"],
+            "commands": {"2dev": "python -m benchmarks.worker"}}
 
 
-def test_timed_steps_give_finite_positive_throughput(bench):
-    for variant in ("jdp", "hand", "shardmap"):
-        result = bench.time({"variant": variant, "steps": 2})
-        assert result["samples"] == 2 * 2 * jax.device_count()
-        assert math.isfinite(result["seconds"]) and result["seconds"] > 0
-        assert result["faults_per_step"] >= 0
-    ratio = bench.paired({"a": "jdp", "b": "hand", "steps": 1, "reps": 2})["ratio"]
-    assert math.isfinite(ratio) and ratio > 0
+def tables(markdown: str) -> list[list[list[str]]]:
+    """Every markdown table of a text, as rows of cells (header first, separator dropped)."""
+    out, current = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif current:
+            out.append(current)
+            current = []
+    return out
 
 
-@pytest.mark.parametrize("variant", ["jdp", "shardmap"])
-def test_one_all_reduce_of_exactly_the_gradient_stats_and_metrics(bench, variant):
-    found = bench.hlo({"variant": variant})
-    state = jax.tree.map(lambda x: np.asarray(x)[0], bench.variants["jdp"].state)
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
-    stats_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.model_state))
-    assert found["ops"] == 1
-    assert found["bytes"] == param_bytes + stats_bytes + 4 * 2  # loss and accuracy, float32
-    assert found["expected_bytes"] == found["bytes"]
+def test_every_sample_is_finite_and_positive(results):
+    assert {"2dev:jdp", "2dev:hand", "2dev:loader", "2dev:jdp/hand"} <= set(results["samples"])
+    for key, values in results["samples"].items():
+        assert len(values) == 2 and all(math.isfinite(v) and v > 0 for v in values), key
 
 
-def test_all_reduce_parser_reads_tuple_and_async_forms():
+def test_one_all_reduce_of_exactly_the_gradient_stats_and_metrics(results):
+    for key in ("2dev:jdp", "2dev:shardmap", "2dev:maxpool"):
+        h = results["hlo"][key]
+        assert h["ops"] == 1 and h["bytes"] == h["expected_bytes"] > 0, key
+
+
+def test_profile_finds_convolutions_and_the_all_reduce(results):
+    profile = results["profile"]["2dev:jdp"]
+    assert profile["convolution"] > 0 and profile["all-reduce"] > 0
+
+
+def test_every_table_renders_well_formed_with_finite_numbers(results):
+    from benchmarks import run
+    block = run.render(results)
+    for title, _ in run.TABLES:
+        assert f"### {title}" in block
+    assert "Failed:" not in block
+    found = tables(block)
+    assert len(found) >= 10
+    for rows in found:
+        assert all(len(row) == len(rows[0]) for row in rows[1:]), rows
+        for row in rows[1:]:
+            for cell in row:
+                assert not re.search(r"\b(nan|inf)\b", cell.lower()), (cell, rows[0])
+                for number in NUMBER.findall(cell.replace("1/N", "")):
+                    assert math.isfinite(float(number.replace(",", ""))), (cell, rows[0])
+
+
+def test_splice_replaces_only_the_generated_block():
+    from benchmarks.report import BEGIN, END, splice
+    old = f"# title\n\nhand intro\n\n{BEGIN}\nold tables\n{END}\n\n## Analysis\nhand text\n"
+    new = splice(old, "new tables")
+    assert new == old.replace("old tables", "new tables")
+    assert BEGIN in splice(None, "x") and END in splice(None, "x")
+
+
+def test_collective_parser_reads_tuple_async_and_sharded_forms():
     from benchmarks import hlo
     text = textwrap.dedent("""\
         %all-reduce = (f32[3,4]{1,0}, /*index=1*/bf16[8]{0}, f32[]) all-reduce(%a, %b, %c)
         %ars = f32[10]{0} all-reduce-start(%d), replica_groups={}
         %ard = f32[10]{0} all-reduce-done(%ars)
+        %rs = f32[5]{0} reduce-scatter(%e), dimensions={0}
+        ROOT %ag = f32[10]{0} all-gather(%rs), dimensions={0}
         %x = f32[2]{0} add(%y, %z)""")
-    assert hlo.all_reduces(text) == hlo.AllReduces(ops=2, bytes=48 + 16 + 4 + 40, arrays=4)
+    found = hlo.collectives(text)
+    assert found["all-reduce"] == hlo.Collective(ops=2, bytes=48 + 16 + 4 + 40, arrays=4)
+    assert found["reduce-scatter"] == hlo.Collective(1, 20, 1)
+    assert found["all-gather"] == hlo.Collective(1, 40, 1)
+    # ring traffic on 2 devices: reduce-scatter + all-gather of 40 bytes = an all-reduce of 40
+    only_ar = {**found, "all-reduce": hlo.Collective(1, 40, 1),
+               "reduce-scatter": hlo.Collective(), "all-gather": hlo.Collective()}
+    sharded = {**found, "all-reduce": hlo.Collective()}
+    assert hlo.ring_bytes(only_ar, 2) == hlo.ring_bytes(sharded, 2) == 40
 
 
-def test_profile_classifies_ops_by_what_they_compute(bench):
-    from benchmarks import profile
-    variant = bench.variants["jdp"]
-    text = variant.step.lower(variant.state, bench.batch).compile().as_text()
-    kinds = profile.op_kinds(text)
-    assert {"convolution", "all-reduce"} <= set(kinds.values())
+def test_input_pipeline_hook_calls_the_data_benchmarks_table(monkeypatch):
+    import types
+
+    from benchmarks import run
+    fake = types.ModuleType("benchmarks.bench_input")
+    fake.table = lambda: "| a |\n| --- |\n| 1 |\n"
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_input", fake)
+    assert run.input_pipeline({}) == fake.table()
 
 
 def test_protocol_round_trip_with_a_child_process(tmp_path):
-    from benchmarks import protocol
-    child = ("import sys; from benchmarks import protocol; protocol.serve(sys.argv[1], "
+    from benchmarks import harness
+    child = ("import sys; from benchmarks import harness; harness.serve(sys.argv[1], "
              "{'double': lambda r: {'x': 2 * r['x']}}, primary=True, info={'hi': 1})")
-    worker = protocol.Worker("child", [sys.executable, "-c", child, str(tmp_path)],
+    worker = harness.Worker("child", [sys.executable, "-c", child, str(tmp_path)],
                              child_env(), str(tmp_path), REPO)
     try:
         assert worker.wait_ready(timeout=60) == {"hi": 1}
@@ -78,23 +142,9 @@ def test_protocol_round_trip_with_a_child_process(tmp_path):
     assert worker.proc.returncode == 0
 
 
-def test_interleaved_rounds_alternate_order_and_report_renders():
-    from benchmarks import report, timing
+def test_interleaved_rounds_alternate_order_and_ratios_pair_rounds():
+    from benchmarks import harness, report
     calls = []
-    samples = timing.interleave(lambda k: calls.append(k) or {"a:x": 2.0, "b:y": 1.0}[k],
-                                ["a:x", "b:y"], rounds=3)
-    assert calls == ["a:x", "b:y", "b:y", "a:x", "a:x", "b:y"]
-    assert timing.ratio_median(samples, "a:x", "b:y") == 2.0
-    results = {"settings": {"rounds": 3, "target_s": 0.1}, "samples": samples,
-               "details": {}, "steps": {}, "jobs": {}, "gradcheck": {}, "notes": ["n"],
-               "load_before": (0, 0, 0), "load_after": (0, 0, 0), "seconds": 1.0,
-               "command": "python -m benchmarks.run --quick", "hlo": {}, "profile": {}}
-    text = report.render(json.loads(json.dumps(results)))
-    assert "# jdp benchmarks" in text and "## Analysis" in text
-
-
-def test_malloc_tuning_applies_in_a_fresh_process():
-    code = "from benchmarks import malloc; print(malloc.tune())"
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == ("True" if sys.platform.startswith("linux") else "False")
+    harness.interleave(lambda k: calls.append(k) or {"a": 2.0, "b": 1.0}[k], ["a", "b"], 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert report.ratio({"samples": {"a": [2, 9, 4], "b": [1, 3, 4]}}, "a", "b") == 2.0
