@@ -82,6 +82,26 @@ def _lost_peer(exc: BaseException | None) -> bool:
     return False
 
 
+class PromptExit(SystemExit):
+    """The SystemExit that `prompt_sys_exit` raises: leaves at once if nothing catches it.
+
+    Python frees an uncaught SystemExit while no Python frame is running, just before the
+    interpreter's exit (and before atexit handlers, where JAX's waits for every peer); a
+    caught one is freed inside the frame that handled it. So an uncaught non-zero exit ends
+    the process right there with its own code, and a caught one changes nothing.
+    """
+
+    def __del__(self) -> None:
+        code = system_exit_code(self)
+        if code != 0 and sys._getframe().f_back is None:
+            exit_now(code)
+
+
+def prompt_sys_exit(status: object = None) -> NoReturn:
+    """`sys.exit` for a rank of a multi-process job: a non-zero exit does not wait for peers."""
+    raise PromptExit(status)
+
+
 def system_exit_code(exc: SystemExit) -> int:
     """The status Python itself would exit with for an uncaught `exc` (0..255)."""
     if exc.code is None:

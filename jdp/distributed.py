@@ -271,11 +271,15 @@ def _already_initialized(plan: _Plan) -> bool:
 
 
 def _install_fail_fast_excepthook() -> None:
-    """Make an uncaught exception print its traceback and exit at once with code 1.
+    """Make a failing process leave at once: uncaught exceptions exit 1, `sys.exit(n)` exits n.
 
     Without it the process would sit in JAX's exit handler until every peer exits (up to the
-    shutdown timeout) and then die by SIGABRT, hiding the real error. Interactive sessions
-    keep Python's behaviour.
+    shutdown timeout) and then die by SIGABRT, hiding the real error and its exit code. This
+    is what gives a job run by mpirun or srun (no jdp runner around the script) the
+    launcher's behaviour. `sys.exit` is replaced by one whose SystemExit, when nothing catches
+    it, ends the process with its code before atexit (jdp/_exit.py); code that catches
+    SystemExit still can. A bare `raise SystemExit(n)` cannot be seen early and still waits.
+    Interactive sessions keep Python's behaviour.
     """
     if getattr(sys.excepthook, "_jdp_previous", None) or hasattr(sys, "ps1"):
         return
@@ -285,7 +289,9 @@ def _install_fail_fast_excepthook() -> None:
         _exit.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
 
     fail_fast._jdp_previous = previous  # type: ignore[attr-defined]
+    fail_fast._jdp_sys_exit = sys.exit  # type: ignore[attr-defined]
     sys.excepthook = fail_fast
+    sys.exit = _exit.prompt_sys_exit
 
 
 def shutdown() -> None:
@@ -301,6 +307,7 @@ def shutdown() -> None:
     hook = sys.excepthook
     if getattr(hook, "_jdp_previous", None):
         sys.excepthook = hook._jdp_previous  # type: ignore[attr-defined]
+        sys.exit = hook._jdp_sys_exit  # type: ignore[attr-defined]
     jax.distributed.shutdown()
 
 

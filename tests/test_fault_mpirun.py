@@ -1,0 +1,58 @@
+"""No jdp launcher: a job started by Open MPI's `mpirun` fails as fast as under jdp.launch.
+
+`jdp.initialize()` joins the job through JAX's cluster detection. A rank that calls
+`sys.exit(3)` mid-training must end the whole job within 10 s with exit code 3 (without jdp,
+JAX's exit handler waits up to the shutdown timeout and then aborts every rank with SIGABRT).
+The test runs the real mpirun (Debian's openmpi-bin); it is skipped where that is absent.
+"""
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, child_env, wait_until_gone, write_script
+
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI, Debian package "
+                                "openmpi-bin) is not installed")
+
+EXITING = """
+import os, sys, time
+import jax, numpy as np
+import jdp
+
+jdp.initialize()
+assert jax.process_count() == 2, jax.process_count()
+step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
+x = np.ones(jax.local_device_count(), np.float32)
+for step in range(10**6):                      # rank 0 keeps running collectives
+    if jax.process_index() == 1 and step == 5:
+        print(f"LEAVING {time.time()!r}", file=sys.stderr, flush=True)
+        if os.environ["MODE"] == "exit":
+            sys.exit(3)
+        raise RuntimeError("boom from rank 1")
+    step_fn(x).block_until_ready()
+"""
+
+
+def mpirun(script, tag, mode):
+    env = child_env(JDP_TEST_TAG=tag, MODE=mode)
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
+           "-x", "JAX_PLATFORMS", "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG", "-x", "MODE",
+           "-x", "XLA_FLAGS", sys.executable, script]
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("mode, code", [("exit", 3), ("raise", 1)])
+def test_a_failing_rank_ends_an_mpirun_job_with_its_code(tmp_path, tag, mode, code):
+    script = write_script(tmp_path, "job.py", EXITING)
+    done = mpirun(script, tag, mode)
+    ended = time.time()
+    assert "LEAVING" in done.stderr, done.stdout + done.stderr
+    left = float(done.stderr.split("LEAVING ", 1)[1].split()[0])
+    print(f"{mode}: mpirun exited {ended - left:.1f} s after rank 1 left, code "
+          f"{done.returncode}")
+    assert done.returncode == code, done.stdout + done.stderr[-3000:]
+    assert ended - left < 10
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
