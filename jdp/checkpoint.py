@@ -49,6 +49,7 @@ _STATE, _LOADER, _INTEGRITY = "state", "loader", "integrity"
 _TRASH = ".jdp-deleting"  # old steps are renamed in here, then deleted, by the writer
 _LEFTOVER = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # a save that never finished
 _DONE = "commit_success.txt"  # orbax writes it last, before the final rename
+_RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
 
 
 class Checkpointer:
@@ -173,12 +174,11 @@ class Checkpointer:
         if loader is not None and not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
                             "load_state_dict(); pass a jdp.data.Loader, or loader=None")
-        steps = self.all_steps()[::-1] if step is None else [self._existing(_as_step(step))]
-        if not steps:
-            self._agree("restore", None)
-            return state
-        chosen, values, position = self._first_intact(steps, found, stacked, loader, step)
+        asked = None if step is None else self._existing(_as_step(step))
+        chosen, values, position = self._first_intact(found, stacked, loader, asked)
         self._agree("restore", chosen)
+        if chosen is None:
+            return state
         if loader is not None:
             loader.load_state_dict(position)
         return tree.rebuild(state, [tree.place(v, leaf, stacked)
@@ -212,29 +212,47 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _first_intact(self, steps: list[int], found: list, stacked: bool, loader: Any,
-                      asked: int | None) -> tuple[int, list, Any]:
-        """Read the first of `steps` that verifies: (step, values in `found` order, position)."""
-        problems = []
-        for step in steps:
-            try:
-                return (step, *self._read(step, found, stacked, loader))
-            except Damaged as e:
-                vanished = step not in self.all_steps()  # max_to_keep deleted it meanwhile
-                if asked is not None:
-                    reason = "was deleted while being read" if vanished else f"is damaged: {e}"
-                    raise CorruptCheckpointError(
-                        f"Checkpointer.restore: checkpoint {step} in {self.directory} {reason}. "
-                        "Restore another step (step=None picks the newest intact one)") from None
-                if not vanished:
-                    problems.append(f"{step}: {e}")
-                    warnings.warn(f"Checkpointer.restore: checkpoint {step} in {self.directory} "
-                                  f"is damaged ({e}); trying the next older checkpoint",
-                                  RuntimeWarning, stacklevel=3)
+    def _first_intact(self, found: list, stacked: bool, loader: Any,
+                      asked: int | None) -> tuple[int | None, list, Any]:
+        """Read checkpoint `asked`, or else the newest that verifies: (step, values in `found`
+        order, loader position); step None when the directory holds no checkpoint."""
+        damaged: dict[int, str] = {}
+        for _ in range(_RELISTS):  # a writer may delete the steps we were about to read
+            steps = [asked] if asked is not None else [
+                s for s in reversed(self.all_steps()) if s not in damaged]
+            if not steps:
+                break
+            for step in steps:
+                try:
+                    return (step, *self._read(step, found, stacked, loader))
+                except Damaged as e:
+                    vanished = step not in self.all_steps()  # max_to_keep removed it
+                    if asked is not None:
+                        reason = "was deleted while being read" if vanished else \
+                            f"is damaged: {e}"
+                        raise CorruptCheckpointError(
+                            f"Checkpointer.restore: checkpoint {step} in {self.directory} "
+                            f"{reason}. Restore another step (step=None picks the newest "
+                            "intact one)") from None
+                    if vanished:
+                        break  # list again: newer steps may have appeared meanwhile
+                    damaged[step] = str(e)
+                    warnings.warn(f"Checkpointer.restore: checkpoint {step} in "
+                                  f"{self.directory} is damaged ({e}); trying the next older "
+                                  "checkpoint", RuntimeWarning, stacklevel=3)
+            else:
+                break
+        if not damaged and not self.all_steps():
+            return None, [], None
+        if not damaged:
+            raise CorruptCheckpointError(
+                f"Checkpointer.restore: every checkpoint in {self.directory} was deleted while "
+                f"being read, {_RELISTS} times over; is a writer saving with a small "
+                "max_to_keep? Retry, or raise max_to_keep")
         raise CorruptCheckpointError(
             f"Checkpointer.restore: no intact checkpoint in {self.directory}: "
-            f"{'; '.join(problems) or 'all were deleted while being read'}. Restore from a "
-            "copy, or start afresh in a new directory")
+            f"{'; '.join(f'{s}: {e}' for s, e in damaged.items())}. Restore from a copy, or "
+            "start afresh in a new directory")
 
     def _read(self, step: int, found: list, stacked: bool, loader: Any) -> tuple[list, Any]:
         """Checkpoint `step`'s values in `found` order and loader position, verified."""
@@ -253,7 +271,7 @@ class Checkpointer:
         restored = self._restore_items(step, items)
         flat = tree.saved_flat(restored[_STATE])
         values = [flat.get(leaf.keys) for leaf in found]
-        for leaf, value in zip(found, values):
+        for leaf, value in zip(found, values, strict=True):
             if value is None:
                 raise Damaged(f"array {leaf.name}: missing from the restored state")
             _integrity.verify(leaf.name, tree.host_value(value), record["arrays"][leaf.name])
