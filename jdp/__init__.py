@@ -24,7 +24,9 @@ from jdp.distributed import (
     shutdown,
 )
 from jdp.spawn import ProcessExitedException, ProcessRaisedException, spawn
-from jdp.state import TrainState, replicate, shard, unreplicate
+from jdp._mesh import mesh
+from jdp._progress import preempted
+from jdp.state import TrainState, broadcast, replicate, shard, unreplicate
 from jdp.step import AXIS, eval_step, reduce_gradients, train_step
 
 __version__ = "0.1.0"
@@ -38,6 +40,7 @@ __all__ = [
     "ProcessRaisedException",
     "TrainState",
     "barrier",
+    "broadcast",
     "broadcast_from_primary",
     "checkpoint",
     "data",
@@ -46,6 +49,8 @@ __all__ = [
     "get_logger",
     "initialize",
     "is_primary",
+    "mesh",
+    "preempted",
     "print0",
     "process_count",
     "process_index",

@@ -1,9 +1,11 @@
 """The parallel train and eval steps: a single-device step run on every device at once.
 
-`train_step` turns `loss_fn(params, batch)` into a step over all local devices of all processes:
+`train_step` turns `loss_fn(params, batch)` into a step over all devices of all processes:
 each device takes the gradient on its slice of the batch, one all-reduce (`lax.pmean`, or
-`lax.psum`) combines them, and every device applies the same update. The parallel transform
-lives in `_parallelize` alone, so another backend (jit + shard_map) can sit beside pmap.
+`lax.psum`) combines them, and every device applies the same update. The same step takes both
+layouts of `jdp.state`: a global state (`jdp.broadcast`) and global batches run through
+`jax.jit` of `jax.shard_map` over `jdp.mesh()`; a stacked state (`jdp.replicate`) and
+`[local_devices, ...]` batches through `jax.pmap`. The per-device code is the same function.
 """
 from __future__ import annotations
 
@@ -14,12 +16,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from jdp import _checks, _mesh
-from jdp._mesh import AXIS, mesh
+from jdp import _checks, _mesh, _progress, _zero
+from jdp import state as _state
+from jdp._mesh import AXIS
 
 _MODEL_STATE_FIELDS = ("model_state", "batch_stats")
+_STOP = "_jdp_stop"  # the preemption flag, carried in the metrics' all-reduce
 
 
 def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
@@ -40,7 +46,10 @@ def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
         The reduced gradients, same structure and dtypes as `grads`.
 
     Example:
-        >>> grads = jdp.reduce_gradients(jax.grad(loss)(params, batch), axis_name="i")
+        >>> reduce = jax.pmap(lambda g: jdp.reduce_gradients(g, axis_name="i"), axis_name="i")
+        >>> n = jax.local_device_count()
+        >>> float(reduce(np.arange(n, dtype=np.float32))[0]) == (n - 1) / 2
+        True
     """
     if comm_dtype is None:
         return lax.pmean(grads, axis_name) if mean else lax.psum(grads, axis_name)
@@ -65,53 +74,70 @@ def _device_rng(state: Any, micro: Any = None) -> Any:
 
 
 def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
-    """Call the user's loss in its documented form; return (loss, (metrics, model_state))."""
+    """Call the user's loss in its documented form; return (loss, (metrics, model_state)).
+
+    The rule: the loss gets what the state carries (model state as a third argument, `rng=`
+    as a keyword) and returns the loss, then `aux` if `has_aux`, then the new model state if
+    it got one: `loss`, `(loss, aux)`, `(loss, new_ms)` or `(loss, (aux, new_ms))`.
+    """
     args = (params, batch) if model_state is None else (params, batch, model_state)
     out = loss_fn(*args, rng=rng) if rng is not None else loss_fn(*args)
-    if model_state is None:
-        loss, metrics = out if has_aux else (out, {})
-        new_model_state = None
-    elif has_aux:
-        loss, (metrics, new_model_state) = out
-    else:
-        (loss, new_model_state), metrics = out, {}
+    loss, metrics, new_model_state = _checks.loss_output(out, has_aux, model_state is not None)
     _checks.scalar_loss(loss)
     metrics = metrics if isinstance(metrics, dict) else {"aux": metrics}
     return loss, (metrics, new_model_state)
 
 
 def _grads_once(loss_fn, has_aux, params, batch, model_state, rng):
-    """Loss, metrics, gradient and new model state on one (micro-)batch."""
+    """Loss, metrics, gradient and new model state on one (micro-)batch.
+
+    The parameters are marked as varying over the devices first: the gradient of a
+    replicated input inside shard_map would otherwise come back already summed over the
+    devices (the transpose of the implicit broadcast), where jdp reduces it itself.
+    """
     grad_fn = jax.value_and_grad(
         lambda p: _call_loss(loss_fn, has_aux, p, batch, model_state, rng), has_aux=True)
-    (loss, (metrics, new_ms)), grads = grad_fn(params)
+    (loss, (metrics, new_ms)), grads = grad_fn(jax.tree.map(_varying, params))
     return loss, metrics, grads, new_ms
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    """`x` typed as varying over `AXIS` (a no-op on data). A value that varies already (the
+    stacked layout's mapped state) is refused by `pcast` and stays as it is."""
+    try:
+        return lax.pcast(x, AXIS, to="varying")
+    except ValueError:
+        return x
 
 
 def _accumulated_grads(loss_fn, has_aux, k, state, batch, model_state):
     """Mean gradient over k micro-batches, local to the device: no communication in the loop.
 
     The model state threads through the micro-batches in order, as k forward passes would
-    update it under DDP's `no_sync`.
+    update it under DDP's `no_sync`. The first micro-batch seeds the running sum, so the
+    loop's carry has the per-device type of a gradient from the start.
     """
     use_rng = getattr(state, "rng", None) is not None
-    if k == 1:
-        rng = _device_rng(state) if use_rng else None
-        return _grads_once(loss_fn, has_aux, state.params, batch, model_state, rng)
+    rng = _device_rng(state, 0 if k > 1 else None) if use_rng else None
     micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    loss, metrics, grads, model_state = _grads_once(
+        loss_fn, has_aux, state.params, first, model_state, rng)
+    if k == 1:
+        return loss, metrics, grads, model_state
 
-    def body(carry, xs):
+    def body(carry, i):
         grad_sum, ms = carry
-        mb, i = xs
+        mb = jax.tree.map(lambda x: x[i], micro)
         rng = _device_rng(state, i) if use_rng else None
         loss, metrics, grads, ms = _grads_once(loss_fn, has_aux, state.params, mb, ms, rng)
         return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    (grad_sum, model_state), (losses, metrics) = lax.scan(
-        body, (zeros, model_state), (micro, jnp.arange(k)))
+    (grad_sum, model_state), (losses, rest) = lax.scan(
+        body, (grads, model_state), jnp.arange(1, k))
     grads = jax.tree.map(lambda g: g / k, grad_sum)
-    return losses.mean(), jax.tree.map(lambda m: m.mean(0), metrics), grads, model_state
+    mean = lambda a, b: (a + b.sum(0)) / k  # noqa: E731
+    return mean(loss, losses), jax.tree.map(mean, metrics, rest), grads, model_state
 
 
 def _sync_model_state(model_state: Any, how: str | None) -> Any:
@@ -123,80 +149,128 @@ def _sync_model_state(model_state: Any, how: str | None) -> Any:
         model_state)
 
 
-def _device_train_step(state, batch, *, loss_fn, has_aux, grad_reduce, accum_steps,
-                       model_state_sync, comm_dtype):
-    """What one device does in one step; collectives run over `AXIS`."""
+def _device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync):
+    """One device's gradient, synced model state and all-reduced metrics (with the stop flag)."""
     field = _model_state_field(state)
     model_state = getattr(state, field) if field else None
     loss, metrics, grads, new_ms = _accumulated_grads(
         loss_fn, has_aux, accum_steps, state, batch, model_state)
+    if field:
+        new_ms = _sync_model_state(new_ms, model_state_sync)
+    metrics = {"loss": loss, **metrics, _STOP: jnp.sum(stop).astype(jnp.float32)}
+    metrics = lax.pmean(jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics), AXIS)
+    return grads, field, new_ms, metrics
+
+
+def _device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options):
+    """What one device does in one step; collectives run over `AXIS`."""
+    grads, field, new_ms, metrics = _device_grads(state, batch, stop, **options)
     grads = reduce_gradients(grads, mean=grad_reduce == "mean", comm_dtype=comm_dtype)
     state = state.apply_gradients(grads=grads)
     if field:
-        state = state.replace(**{field: _sync_model_state(new_ms, model_state_sync)})
-    metrics = {"loss": loss, **metrics}
-    metrics = lax.pmean(jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics), AXIS)
+        state = state.replace(**{field: new_ms})
     return state, metrics
 
 
-def _parallelize(fn: Callable, donate_state: bool, backend: str) -> Callable:
-    """The parallel transform: `fn(state, batch)` on every local device, its collectives
-    spanning all devices of all processes. The only place that knows the backend.
+def _zero_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options):
+    """ZeRO: reduce-scatter the gradients per device, then a sharded optimiser update."""
+    def per_device(state, batch, stop):
+        grads, field, new_ms, metrics = _device_grads(state, batch, stop, **options)
+        rows = _zero.scatter_gradients(grads, grad_reduce == "mean", comm_dtype)
+        return rows, new_ms, metrics
 
-    "pmap": `jax.pmap`, whose axis covers the global device set. "shard_map": `jax.jit` of
-    `jax.shard_map` over one global mesh (JAX's recommended path since pmap entered maintenance
-    mode); the process-local arrays are regrouped into global ones and back, without copies.
-    Both take and return the same `[local_devices, ...]` arrays.
+    no_opt = state.replace(opt_state=None)
+    grad_shapes = jax.eval_shape(lambda p: p, state.params)
+    rows, new_ms, metrics = jax.shard_map(
+        per_device, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
+        out_specs=(_zero.grad_specs(grad_shapes), P(), P()))(no_opt, batch, stop)
+    state = _zero.apply(state, rows, comm_dtype)
+    field = _model_state_field(state)
+    return (state.replace(**{field: new_ms}) if field else state), metrics
+
+
+def _transform(fn: Callable, layout: str, donate: bool, backend: str,
+               whole: bool = False) -> Callable:
+    """The parallel transform: `fn(state, batch, stop)` on every device, its collectives
+    spanning all devices of all processes. The only place that knows layouts and backends.
+
+    Global layout: `jax.jit` of `jax.shard_map` over `jdp.mesh()` (state replicated, batch and
+    stop split along `AXIS`); with `whole`, `fn` is already the jit-level step (ZeRO) and
+    places its own shard_map. Stacked layout: `jax.pmap`, or with `backend="shard_map"` the
+    same shard_map on the stacked arrays viewed as global ones.
     """
-    _checks.backend(backend)
-    donate = (0,) if donate_state else ()
+    donate_argnums = (0,) if donate else ()
+    if layout == _state.GLOBAL:
+        mapped = fn if whole else jax.shard_map(
+            fn, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P())
+        return jax.jit(mapped, donate_argnums=donate_argnums)
     if backend == "pmap":
-        return jax.pmap(fn, axis_name=AXIS, donate_argnums=donate)
-    sharding = _mesh.global_sharding()
-    spec = sharding.spec
+        return jax.pmap(fn, axis_name=AXIS, donate_argnums=donate_argnums)
+    return _stacked_shard_map(fn, donate_argnums)
 
-    def per_block(state, batch):  # each device's block keeps a leading axis of 1
-        out = fn(*jax.tree.map(lambda x: x[0], (state, batch)))
+
+def _stacked_shard_map(fn: Callable, donate_argnums: tuple) -> Callable:
+    """Stacked `[local_devices, ...]` arrays through jit + shard_map, viewed as global arrays."""
+    from jax.experimental import multihost_utils
+
+    def per_block(*args):  # each device's block keeps a leading axis of 1
+        out = fn(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: x[None], out)
 
-    mapped = jax.jit(jax.shard_map(per_block, mesh=sharding.mesh,
-                                   in_specs=(spec, spec), out_specs=spec),
-                     donate_argnums=donate)
+    mesh, spec = _mesh.mesh(), P(AXIS)
+    mapped = jax.jit(jax.shard_map(per_block, mesh=mesh, in_specs=spec, out_specs=spec),
+                     donate_argnums=donate_argnums)
+    to_global = functools.partial(multihost_utils.host_local_array_to_global_array,
+                                  global_mesh=mesh, pspecs=spec)
 
-    def call(state, batch):
-        return _mesh.to_local(mapped(*_mesh.to_global((state, batch))))
+    def call(*args):
+        if jax.process_count() == 1:
+            return mapped(*args)
+        out = mapped(*to_global(args))
+        return multihost_utils.global_array_to_host_local_array(out, mesh, spec)
 
-    call.lower = lambda state, batch: mapped.lower(*_mesh.to_global((state, batch)))
+    call.lower = lambda *args: mapped.lower(*(to_global(args) if jax.process_count() > 1
+                                              else args))
     return call
 
 
 class _Bounded:
     """Wait on the oldest step's outputs once more than `limit` steps are in flight.
 
-    Many queued multi-device all-reduces can stall XLA's CPU rendezvous and abort the process
-    (RELIABILITY_NOTES); a couple of steps of look-ahead keep the devices busy all the same.
+    Hundreds of queued multi-device all-reduces can stall XLA's CPU rendezvous and abort the
+    process; a couple of steps of look-ahead keep the devices busy all the same. Every rank
+    waits on the same step at the same call, so what it reads there (the agreed stop flag)
+    is the same on every rank.
     """
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, on_done: Callable[[Any], None] | None = None):
+        self.limit, self.on_done = limit, on_done
         self.pending: collections.deque = collections.deque()
 
     def add(self, outputs: Any) -> None:
         self.pending.append(outputs)
         while len(self.pending) > self.limit:
-            jax.block_until_ready(self.pending.popleft())
+            done = jax.block_until_ready(self.pending.popleft())
+            if self.on_done is not None:
+                self.on_done(done)
+
+
+def _agreed_stop(metrics: dict) -> None:
+    """Tell `jdp.preempted()` what every rank computed for a finished step."""
+    flag = metrics[_STOP]
+    _progress.set_agreed(float(np.asarray(flag.addressable_data(0)).reshape(-1)[0]) > 0)
 
 
 def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "mean",
                accum_steps: int = 1, model_state_sync: str | None = "mean",
-               comm_dtype: Any = None, donate: bool = True,
-               max_in_flight: int = 2, backend: str = "pmap") -> Callable:
+               comm_dtype: Any = None, donate: bool = True, max_in_flight: int = 2,
+               backend: str = "pmap", shard_optimizer: bool = False) -> Callable:
     """Make a data-parallel train step from a pure single-device loss.
 
-    `step(state, batch)` runs `loss_fn` on every local device's slice of `batch`, all-reduces
-    the gradients over all devices of all processes in one collective, and applies the
-    optimiser (`state.apply_gradients`) identically everywhere, so N devices with b examples
-    each train exactly as one device on the N·b batch. The loss is called as:
+    `step(state, batch)` runs `loss_fn` on every device's slice of `batch`, all-reduces the
+    gradients over all devices of all processes in one collective, and applies the optimiser
+    (`state.apply_gradients`) identically everywhere, so N devices with b examples each train
+    exactly as one device on the N·b batch. The loss is called as:
 
     | model state¹ | has_aux | call and return                                          |
     | no           | False   | `loss_fn(params, batch) -> loss`                         |
@@ -207,6 +281,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     ¹ a non-None `model_state` (jdp.TrainState) or `batch_stats` field. If the state has a
     non-None `rng`, the loss also gets `rng=`: a key distinct per device, step and micro-batch.
 
+    Both layouts: a global state (`jdp.broadcast`) with global batches (`Loader(...,
+    layout="global")`, `jdp.shard(b, layout="global")`) runs as `jit(shard_map)` and returns
+    replicated scalar metrics; a stacked state (`jdp.replicate`) with `[local_devices, b, ...]`
+    batches runs as `pmap` and returns stacked metrics.
+
     Args:
         loss_fn: pure function of one device's data; returns a scalar loss (mean over examples).
         has_aux: the loss also returns a dict of metrics, averaged over devices.
@@ -214,59 +293,112 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         accum_steps: split each device's batch into k micro-batches, sum their gradients
             locally and all-reduce once (DDP's `no_sync`); equals one step on the whole batch.
         model_state_sync: "mean" averages model state (BatchNorm statistics) over devices after
-            each step; None leaves each device its own. For SyncBatchNorm instead, build the
-            model with `nn.BatchNorm(axis_name=jdp.AXIS)`.
-        comm_dtype: dtype for the gradient all-reduce (e.g. `jnp.bfloat16`); None: as is.
+            each step; None leaves each device its own (stacked layout only, or SyncBatchNorm:
+            `nn.BatchNorm(axis_name=jdp.AXIS)`, whose statistics agree by construction).
+        comm_dtype: dtype for the gradient communication (e.g. `jnp.bfloat16`); None: as is.
         donate: donate the input state's buffers to the output (the old state is consumed).
-        max_in_flight: steps dispatched ahead before waiting; bounds host run-ahead.
-        backend: "pmap" (default) or "shard_map" (`jit` + `shard_map` on a global mesh); the
-            same call, arrays and results either way.
+        max_in_flight: steps dispatched ahead before waiting (1..32); bounds host run-ahead.
+        backend: stacked layout only: "pmap" (default) or "shard_map" (the same step through
+            jit + shard_map); the global layout is always jit + shard_map.
+        shard_optimizer: ZeRO-1/2 (global layout, state from `jdp.broadcast(state,
+            shard_optimizer=True)`): gradients reduce-scattered, each device updates its 1/N
+            of the optimiser state, the updates all-gathered.
 
     Returns:
-        `step(state, batch) -> (state, metrics)`; `state` replicated (`jdp.replicate`), batch
-        leaves `[local_devices, per_device_batch, ...]`; metrics (with "loss") replicated.
-        `step.lower(state, batch)` gives the lowered computation, for inspection.
+        `step(state, batch) -> (state, metrics)`, metrics with "loss" (and the aux metrics),
+        averaged over devices. `step.lower(state, batch)` gives the lowered computation.
 
     Example:
+        >>> import optax
         >>> def loss_fn(params, batch):
         ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
-        >>> step = jdp.train_step(loss_fn)
-        >>> state, metrics = step(jdp.replicate(state), jdp.shard({"x": x, "y": y}))
+        >>> state = jdp.broadcast(jdp.TrainState.create(
+        ...     apply_fn=None, params={"w": np.zeros((2, 1))}, tx=optax.sgd(0.1)))
+        >>> n = jax.device_count()
+        >>> batch = jdp.shard({"x": np.ones((n, 2)), "y": np.ones((n, 1))}, layout="global")
+        >>> state, metrics = jdp.train_step(loss_fn)(state, batch)
+        >>> float(metrics["loss"])
+        1.0
     """
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight)
-    device_step = functools.partial(
-        _device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
-        accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
+    _checks.backend(backend)
+    options = dict(loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
+                   accum_steps=accum_steps, model_state_sync=model_state_sync,
+                   comm_dtype=comm_dtype)
+    device_step = functools.partial(_device_train_step, **options)
+    zero_step = functools.partial(_zero_train_step, **options) if shard_optimizer else None
     return _make_step(device_step, donate, max_in_flight, backend, accum_steps,
-                      wait_on=lambda out: out[1])
+                      zero_step=zero_step, on_done=_agreed_stop,
+                      phase="step")
 
 
 def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: str,
-               accum_steps: int = 1, wait_on: Callable = lambda out: out) -> Callable:
-    """Wrap a per-device step: check inputs once per signature, run it, bound run-ahead."""
-    parallel = _parallelize(device_fn, donate, backend)
+               accum_steps: int = 1, zero_step: Callable | None = None,
+               on_done: Callable | None = None, phase: str = "eval") -> Callable:
+    """Wrap a per-device step: check inputs once per signature, run it in the state's layout,
+    bound run-ahead, strip the stop flag from the metrics."""
+    compiled: dict = {}
     checked: set = set()
-    in_flight = _Bounded(max_in_flight)
+    in_flight = _Bounded(max_in_flight, on_done)
+    stops = _StopFlags()
+    calls = [0]
+
+    def parallel(layout):
+        if layout not in compiled:
+            _checks.layout_options(layout, zero_step is not None, backend)
+            fn, whole = (zero_step, True) if zero_step is not None else (device_fn, False)
+            compiled[layout] = _transform(fn, layout, donate, backend, whole)
+        return compiled[layout]
 
     @functools.wraps(device_fn)
     def step(state, batch):
-        n = jax.local_device_count()
-        _checks.batch(batch, n, accum_steps)
+        layout = _checks.state_layout(state)
+        _checks.not_donated(state)
+        _checks.batch(batch, layout, accum_steps)
         signature = _checks.signature(state, batch)
         if signature not in checked:
-            _checks.replicated_state(state, n)
-            _checks.trace_per_device(device_fn, state, batch)
+            _checks.state_in_layout(state, layout, zero_step is not None)
+            _checks.trace(parallel(layout), state, batch, stops.get(layout, False))
             checked.add(signature)
-        out = parallel(state, batch)
-        in_flight.add(wait_on(out))
-        return out
+        out = parallel(layout)(state, batch, stops.get(layout, _progress.stop_flag()))
+        in_flight.add(out[1] if isinstance(out, tuple) else out)  # the state may be donated
+        calls[0] += 1
+        _progress.record(phase, calls[0])
+        return _without_stop(out)
 
-    step.lower = parallel.lower
+    step.lower = lambda state, batch: parallel(_checks.state_layout(state)).lower(
+        state, batch, stops.get(_checks.state_layout(state), False))
     return step
 
 
-def _device_eval_step(state, batch, *, metric_fn):
+def _without_stop(out: Any) -> Any:
+    """The step's outputs as the user sees them: metrics without the internal stop flag."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out[0], {k: v for k, v in out[1].items() if k != _STOP}
+    return {k: v for k, v in out.items() if k != _STOP} if isinstance(out, dict) else out
+
+
+class _StopFlags:
+    """The per-device stop flag a step sends, built once per layout and value (no per-step
+    host-to-device work beyond handing over a cached array)."""
+
+    def __init__(self):
+        self.cache: dict = {}
+
+    def get(self, layout: str, flag: bool) -> jax.Array:
+        key = (layout, bool(flag))
+        if key not in self.cache:
+            local = np.full(jax.local_device_count(), float(flag), np.float32)
+            sharding = (_mesh.batch_sharded() if layout == _state.GLOBAL
+                        else _mesh.local_sharding())
+            self.cache[key] = (jax.make_array_from_process_local_data(sharding, local)
+                               if layout == _state.GLOBAL else jax.device_put(local, sharding))
+        return self.cache[key]
+
+
+def _device_eval_step(state, batch, stop, *, metric_fn):
     """Mask-weighted sums of per-example metrics over all devices, plus the example count."""
+    del stop
     values = metric_fn(state, batch)
     first = jax.tree.leaves(batch)[0]
     mask = batch["mask"] if isinstance(batch, dict) and "mask" in batch else jnp.ones(
@@ -289,17 +421,22 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2,
     Args:
         metric_fn: `metric_fn(state, batch) -> {name: per-example values [per_device_batch]}`.
         max_in_flight: evaluations dispatched ahead before waiting.
-        backend: "pmap" or "shard_map", as in `train_step`.
+        backend: stacked layout only, as in `train_step`.
 
     Returns:
-        `evaluate(state, batch) -> totals`, replicated like the state.
+        `evaluate(state, batch) -> totals`: replicated scalars for a global state, stacked
+        for a stacked one.
 
     Example:
         >>> def metric_fn(state, batch):
-        ...     logits = state.apply_fn({"params": state.params}, batch["image"])
-        ...     return {"correct": (logits.argmax(-1) == batch["label"]).astype(jnp.float32)}
-        >>> totals = jdp.unreplicate(jdp.eval_step(metric_fn)(state, batch))
-        >>> accuracy = float(totals["correct"]) / float(totals["count"])
+        ...     return {"sq": (batch["x"] * state["w"]) ** 2}
+        >>> n = jax.device_count()
+        >>> batch = jdp.shard({"x": np.ones(n), "mask": np.arange(n) < n - 1}, layout="global")
+        >>> totals = jdp.eval_step(metric_fn)(jdp.broadcast({"w": np.float32(2)}), batch)
+        >>> float(totals["sq"]) / float(totals["count"])
+        4.0
     """
+    _checks.train_options("mean", 1, "mean", max_in_flight)
+    _checks.backend(backend)
     device_step = functools.partial(_device_eval_step, metric_fn=metric_fn)
     return _make_step(device_step, donate=False, max_in_flight=max_in_flight, backend=backend)
