@@ -74,6 +74,7 @@ class Outcome(NamedTuple):
     seconds: float = 0.0         # from the start to the failure, signal or deadline
     stall: tuple | None = None   # (every rank's RankProgress, rank -> stack dump): watchdog
     killed: tuple = ()           # ranks still running at the end of a stop grace period
+    codes: tuple = ()            # after a stop request: (rank, return code) of each rank
 
 
 class _Rank(NamedTuple):
@@ -197,7 +198,8 @@ def _stop_requested(ranks: list, received: list, limits: Limits, seconds: float)
         time.sleep(POLL_S)
     killed = tuple(r.spec.rank for r in _alive(ranks))
     _stop(ranks, sig, limits.grace_s if len(received) > 1 else 0.0)
-    return Outcome(None, 0, [], signal=sig, seconds=seconds, killed=killed)
+    codes = tuple((r.spec.rank, r.proc.returncode) for r in ranks)
+    return Outcome(None, 0, [], signal=sig, seconds=seconds, killed=killed, codes=codes)
 
 
 def _stalled(ranks: list, progress: list, limits: Limits, seconds: float) -> Outcome:

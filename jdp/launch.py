@@ -287,11 +287,13 @@ def _failure_report(outcome: _supervisor.Outcome, args: argparse.Namespace) -> s
 
 
 def _stopped_message(outcome: _supervisor.Outcome, args: argparse.Namespace) -> str:
-    """What happened after SIGINT/SIGTERM to the launcher: who left in time, who was killed."""
+    """What happened after SIGINT/SIGTERM to the launcher: how each rank ended, who was killed."""
     name = signal.Signals(outcome.signal).name
+    ended = ", ".join(f"rank {rank} {_exit.describe_exit(code)}" for rank, code in outcome.codes
+                      if code is not None)
     if not outcome.killed:
         return (f"{WHO}: received {name}; passed it on; all {args.nproc_per_node} process(es) "
-                "have stopped.")
+                f"have stopped ({ended}).")
     ranks = ", ".join(map(str, outcome.killed))
     grace = args.stop_grace if outcome.signal == signal.SIGTERM else _supervisor.GRACE_S
     return (f"{WHO}: received {name}; passed it on; rank(s) {ranks} still ran {grace:g} s "
