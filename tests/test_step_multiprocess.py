@@ -1,4 +1,5 @@
-"""train_step across 2 real processes x 2 devices equals single-device optax, both backends."""
+"""train_step across 2 real processes x 2 devices equals single-device optax: the pmap layout
+(both backends), the global layout, and the global layout with the optimizer state sharded."""
 import os
 
 import jax
@@ -28,11 +29,22 @@ SCRIPT = """
             state, metrics = step(state, jdp.shard({"x": x[s, mine], "y": y[s, mine]}))
         w = np.asarray(jdp.unreplicate(state).params["w"])
         np.save(f"{out}/{backend}_{jax.process_index()}.npy", w)
+
+    for name, zero in (("global", False), ("zero", True)):
+        state = jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((3, 1))},
+                                      tx=optax.adam(0.1))
+        state = jdp.broadcast(state, shard_optimizer=zero)
+        step = jdp.train_step(loss_fn, shard_optimizer=zero)
+        for s in range(x.shape[0]):
+            batch = jdp.shard({"x": x[s, mine], "y": y[s, mine]}, layout="global")
+            state, metrics = step(state, batch)
+        assert metrics["loss"].shape == () and np.isfinite(float(metrics["loss"]))
+        np.save(f"{out}/{name}_{jax.process_index()}.npy", np.asarray(state.params["w"]))
 """
 
 
 def test_two_processes_of_two_devices_train_as_one_device_on_the_global_batch(tmp_path, tag):
-    """Both backends run in the same job; every rank's result is checked."""
+    """All layouts run in the same job; every rank's result is checked."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 16, 3)).astype(np.float32)
     y = x @ np.array([[1.0], [2.0], [3.0]], np.float32)
@@ -50,6 +62,6 @@ def test_two_processes_of_two_devices_train_as_one_device_on_the_global_batch(tm
         grads = jax.grad(lambda p, s=s: ((x[s] @ p["w"] - y[s]) ** 2).mean())(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-    for name in ("pmap_0", "pmap_1", "shard_map_0", "shard_map_1"):
+    for name in [f"{n}_{r}" for n in ("pmap", "shard_map", "global", "zero") for r in (0, 1)]:
         got = np.load(os.path.join(tmp_path, f"{name}.npy"))
         np.testing.assert_allclose(got, params["w"], rtol=1e-5, atol=1e-6, err_msg=name)
