@@ -11,9 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-
 from jdp import state as _state
-from jdp._mesh import AXIS
 
 MAX_IN_FLIGHT = 16
 

@@ -1,15 +1,13 @@
-"""The device axis jdp works over: its name, and the layouts of per-device arrays.
+"""The device axis jdp works over: its name, the one data mesh, and the shardings on it.
 
-Arrays that jdp hands out (replicated state, Loader batches) are process-local: a leading axis
-of `jax.local_device_count()`, slice i on local device i (`local_sharding`). The shard_map
-backend runs on one global mesh instead; `to_global` / `to_local` move between the two views
-without copying, by regrouping the same per-device buffers.
+The global layout places arrays on `mesh()`: the state `replicated()`, batches `batch_sharded()`
+along `AXIS`. The stacked (pmap) layout places `[local_devices, ...]` arrays with
+`local_sharding()`, slice i on local device i.
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -60,38 +58,3 @@ def replicated() -> NamedSharding:
 def batch_sharded() -> NamedSharding:
     """The leading axis split over `mesh()` (the global layout's batches)."""
     return NamedSharding(mesh(), PartitionSpec(AXIS))
-
-
-def global_sharding() -> NamedSharding:
-    """The stacked layout's `[devices, ...]` arrays seen globally: slice i on mesh device i."""
-    return batch_sharded()
-
-
-def _regroup(x: jax.Array, sharding: NamedSharding, leading: int) -> jax.Array:
-    """The same per-device buffers of `x` as one array laid out by `sharding`."""
-    buffers = {s.device: s.data for s in x.addressable_shards}
-    shape = (leading, *x.shape[1:])
-    ordered = [buffers[d] for d in sharding.addressable_devices_indices_map(shape)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
-
-
-def to_global(tree: Any) -> Any:
-    """Process-local `[local_devices, ...]` leaves as global `[devices, ...]` arrays."""
-    if jax.process_count() == 1:
-        return tree
-    local, target = local_sharding(), global_sharding()
-
-    def one(x):
-        if not (isinstance(x, jax.Array) and x.sharding == local):
-            x = jax.device_put(x, local)
-        return _regroup(x, target, jax.device_count())
-
-    return jax.tree.map(one, tree)
-
-
-def to_local(tree: Any) -> Any:
-    """Global `[devices, ...]` leaves as this process's `[local_devices, ...]` arrays."""
-    if jax.process_count() == 1:
-        return tree
-    target = local_sharding()
-    return jax.tree.map(lambda x: _regroup(x, target, jax.local_device_count()), tree)
