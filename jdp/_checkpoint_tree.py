@@ -7,8 +7,10 @@ value is the array itself, which orbax writes shard by shard (each shard once, b
 that holds it) and reads back straight into any target sharding. A checkpoint holds logical
 values only, so it restores into either layout, on any device or process count.
 
-Leaves that later carry a different physical form (ZeRO's padded, sharded optimizer state) plug
-in at the two leaf functions, `logical` (save) and `place` (restore).
+ZeRO's optimizer state (`jdp.broadcast(state, shard_optimizer=True)`) is stored padded on the
+leading axis to a multiple of the device count. The checkpoint records the logical (unpadded)
+shape and checksum; orbax writes the padded shards as they are and, at restore, cuts or
+zero-fills the padding to the target's shape, so 8 devices sharded -> 2 devices unsharded works.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -25,11 +28,16 @@ from jdp.state import unreplicate
 
 
 class Leaf(NamedTuple):
-    """One array leaf of a state: where it sits, its checkpoint name, its logical form."""
+    """One array leaf of a state: where it sits, its checkpoint name, its logical form.
+
+    `shape` is the logical shape (what is recorded and compared); `physical` the shape of
+    one copy as stored in this state (larger on the leading axis for ZeRO's padding).
+    """
     path: Any
     keys: tuple[str, ...]
     leaf: Any
     shape: tuple[int, ...]
+    physical: tuple[int, ...]
     dtype: np.dtype
 
     @property
@@ -46,8 +54,12 @@ def leaves(state: Any, where: str) -> tuple[list[Leaf], bool]:
                          "there is nothing to checkpoint; pass the train state (from "
                          "jdp.broadcast or jdp.replicate)")
     stacked = _is_stacked([x for _, x in found])
-    out = [Leaf(p, _keys(p), x, tuple(x.shape[1:] if stacked else x.shape), np.dtype(x.dtype))
-           for p, x in found]
+    logical = {} if stacked else _padded_optimizer_leaves(state)
+    out = []
+    for p, x in found:
+        physical = tuple(x.shape[1:] if stacked else x.shape)
+        keys = _keys(p)
+        out.append(Leaf(p, keys, x, logical.get(keys, physical), physical, np.dtype(x.dtype)))
     names = [leaf.name for leaf in out]
     if len(set(names)) != len(names):
         twin = next(n for n in names if names.count(n) > 1)
@@ -60,6 +72,36 @@ def leaves(state: Any, where: str) -> tuple[list[Leaf], bool]:
 def _keys(path: Any) -> tuple[str, ...]:
     """A tree path as the string keys of the nested dict that orbax saves."""
     return tuple(jax.tree_util.keystr((k,), simple=True) for k in path) or ("value",)
+
+
+def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{keys: logical shape} of optimizer-state leaves stored padded on their leading axis.
+
+    ZeRO (`jdp.broadcast(state, shard_optimizer=True)`) pads each optimizer-state leaf to a
+    multiple of the device count; the logical leaf is what `tx.init(params)` makes. The
+    checkpoint records and compares logical shapes, so it restores onto any device count.
+    """
+    if not all(hasattr(state, a) for a in ("tx", "params", "opt_state")):
+        return {}
+    try:
+        logical = jax.eval_shape(state.tx.init, state.params)
+    except Exception:  # noqa: BLE001 - not an optax state we understand: no padding assumed
+        return {}
+    stored = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+    if jax.tree.structure(logical) != jax.tree.structure(state.opt_state):
+        return {}
+    out = {}
+    for (path, x), want in zip(stored, jax.tree.leaves(logical), strict=True):
+        shape = tuple(want.shape)
+        if shape and tuple(x.shape) != shape and x.shape[1:] == shape[1:] \
+                and x.shape[0] > shape[0]:
+            out[_keys((jax.tree_util.GetAttrKey("opt_state"), *path))] = shape
+    return out
+
+
+def crop(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The logical part of a (possibly padded) host value."""
+    return value[tuple(slice(0, n) for n in shape)]
 
 
 def _is_stacked(arrays: list) -> bool:
@@ -83,8 +125,9 @@ def _stacked_leaf(x: jax.Array, n: int) -> bool:
     return n == 1 or not x.sharding.is_fully_replicated
 
 
-def logical(leaf: Leaf, stacked: bool) -> Any:
-    """What is saved for a leaf: device 0's copy (stacked) or the global array itself."""
+def saved_value(leaf: Leaf, stacked: bool) -> Any:
+    """What is saved for a leaf: device 0's copy (stacked), or the global array itself, ZeRO's
+    padded rows included (orbax writes each shard once; the record holds the logical shape)."""
     if stacked:
         # A host copy, not a view: a later donated step may reuse the device buffer.
         return np.array(unreplicate(leaf.leaf))
@@ -113,16 +156,23 @@ def saved_flat(nested: dict) -> dict[tuple[str, ...], Any]:
     return traverse_util.flatten_dict(nested)
 
 
-def target(leaf: Leaf, stacked: bool) -> Any:
-    """What orbax restores a leaf as: host numpy, or a global array with the leaf's sharding."""
+def target(leaf: Leaf, stacked: bool) -> tuple[Any, ocp.RestoreArgs]:
+    """What orbax restores a leaf as: host numpy, or a global array with the leaf's sharding
+    and physical shape (strict=False: ZeRO padding is cut off or zero-filled as needed)."""
     if stacked or isinstance(leaf.leaf, np.ndarray):
         # A zero-byte view of the right shape and dtype: orbax reads it as "numpy, please".
-        return np.broadcast_to(np.empty((), leaf.dtype), leaf.shape)
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.leaf.sharding)
+        return (np.broadcast_to(np.empty((), leaf.dtype), leaf.physical),
+                ocp.RestoreArgs(restore_type=np.ndarray))
+    sharding = leaf.leaf.sharding
+    return (jax.ShapeDtypeStruct(leaf.physical, leaf.dtype, sharding=sharding),
+            ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.physical, strict=False))
 
 
 def place(value: Any, leaf: Leaf, stacked: bool) -> Any:
-    """A restored logical value laid out like the template leaf."""
+    """A restored value laid out like the template leaf."""
+    if isinstance(value, np.ndarray) and value.shape != leaf.physical:  # ZeRO padding
+        value = np.pad(crop(value, leaf.shape),
+                       [(0, p - n) for p, n in zip(leaf.physical, leaf.shape, strict=True)])
     if stacked:
         copies = np.broadcast_to(value, leaf.leaf.shape)
         if isinstance(leaf.leaf, np.ndarray):

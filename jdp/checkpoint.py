@@ -124,9 +124,9 @@ class Checkpointer:
         step = _as_step(step)
         found, stacked = tree.leaves(state, "Checkpointer.save")
         position = _loader_position(loader)
-        values = {leaf.keys: tree.logical(leaf, stacked) for leaf in found}
-        record = _integrity.record(
-            {"/".join(k): tree.host_value(v) for k, v in values.items()}, position)
+        values = {leaf.keys: tree.saved_value(leaf, stacked) for leaf in found}
+        record = _integrity.record({leaf.name: tree.crop(tree.host_value(values[leaf.keys]),
+                                                         leaf.shape) for leaf in found}, position)
         self._agree("save", step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -135,7 +135,7 @@ class Checkpointer:
                 f"{self.directory}; steps must increase. Pass a larger step (e.g. the state's "
                 "step counter), or save into a new directory")
         self._prepare_to_write()
-        items = {_STATE: ocp.args.StandardSave(tree.saved_tree(values)),
+        items = {_STATE: ocp.args.PyTreeSave(tree.saved_tree(values)),
                  _INTEGRITY: ocp.args.JsonSave(record)}
         if position is not None:
             items[_LOADER] = ocp.args.JsonSave(position)
@@ -265,7 +265,9 @@ class Checkpointer:
                 "position (it was saved with loader=None); pass loader=None to restore only "
                 "the state")
         targets = {leaf.keys: tree.target(leaf, stacked) for leaf in found}
-        items = {_STATE: ocp.args.StandardRestore(tree.saved_tree(targets))}
+        items = {_STATE: ocp.args.PyTreeRestore(
+            tree.saved_tree({k: t[0] for k, t in targets.items()}),
+            restore_args=tree.saved_tree({k: t[1] for k, t in targets.items()}))}
         if loader is not None:
             items[_LOADER] = ocp.args.JsonRestore()
         restored = self._restore_items(step, items)
@@ -274,7 +276,8 @@ class Checkpointer:
         for leaf, value in zip(found, values, strict=True):
             if value is None:
                 raise Damaged(f"array {leaf.name}: missing from the restored state")
-            _integrity.verify(leaf.name, tree.host_value(value), record["arrays"][leaf.name])
+            _integrity.verify(leaf.name, tree.crop(tree.host_value(value), leaf.shape),
+                              record["arrays"][leaf.name])
         position = restored.get(_LOADER) if loader is not None else None
         if loader is not None:
             _integrity.verify_position(position, record["loader_crc32"])
@@ -379,13 +382,13 @@ def _multiprocessing_options() -> ocp.options.MultiprocessingOptions:
 def _registry(mp: ocp.options.MultiprocessingOptions) -> ocp.handlers.CheckpointHandlerRegistry:
     """Which orbax handler saves each item (so that a fresh manager can restore quietly)."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
+    state = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp)
     for item in (_LOADER, _INTEGRITY):
         json_handler = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
         registry.add(item, ocp.args.JsonSave, json_handler)
         registry.add(item, ocp.args.JsonRestore, json_handler)
-    registry.add(_STATE, ocp.args.StandardSave, state)
-    registry.add(_STATE, ocp.args.StandardRestore, state)
+    registry.add(_STATE, ocp.args.PyTreeSave, state)
+    registry.add(_STATE, ocp.args.PyTreeRestore, state)
     return registry
 
 

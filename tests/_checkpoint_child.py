@@ -112,6 +112,30 @@ def _two_process_global(directory: str, out: str) -> None:
           stacked=fresh.restore(jdp.replicate(make_state(99))))
 
 
+def busy_state(seed: int) -> jdp.TrainState:
+    """make_state(seed) with non-zero optimizer moments and count (Adam starts at zeros)."""
+    state = make_state(seed)
+    rng = np.random.default_rng(seed)
+    return state.replace(opt_state=jax.tree.map(
+        lambda x: np.asarray(rng.normal(size=np.shape(x)) * 100).astype(np.asarray(x).dtype),
+        state.opt_state))
+
+
+def _zero_roundtrip(directory: str, out: str) -> None:
+    """Restore an 8-device sharded checkpoint here (2 devices) unsharded and sharded; then save
+    the sharded state from here into `directory`/back for the parent to restore on 8."""
+    ckpt = jdp.checkpoint.Checkpointer(directory)
+    unsharded = ckpt.restore(jdp.broadcast(make_state(99)))
+    sharded = ckpt.restore(jdp.broadcast(make_state(99), shard_optimizer=True))
+    arrays = {f"{label}{jax.tree_util.keystr(p)}": np.asarray(x)
+              for label, state in (("unsharded", unsharded), ("sharded", sharded))
+              for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    arrays.update({f"spec{jax.tree_util.keystr(p)}": np.asarray(str(x.sharding.spec))
+                   for p, x in jax.tree_util.tree_flatten_with_path(sharded)[0]})
+    np.savez(out, **arrays)
+    jdp.checkpoint.Checkpointer(os.path.join(directory, "back")).save(1, sharded)
+
+
 def _two_process(directory: str, out: str) -> None:
     """Each process saves its own (rank-dependent) values; both restore; report the results."""
     jdp.initialize()
@@ -157,4 +181,5 @@ def _two_process(directory: str, out: str) -> None:
 if __name__ == "__main__":
     mode, directory, out = sys.argv[1:4]
     {"hang_in_rename": _hang_in_rename, "restore": _restore, "restore_both": _restore_both,
-     "two_process": _two_process, "two_process_global": _two_process_global}[mode](directory, out)
+     "two_process": _two_process, "two_process_global": _two_process_global,
+     "zero_roundtrip": _zero_roundtrip}[mode](directory, out)
