@@ -68,14 +68,17 @@ class Checkpointer:
             TimeoutError (a peer that is dead, stuck, or skipped the call). orbax's own
             barriers inside a save wait up to 300 s.
 
-    Example:
-        >>> ckpt = jdp.checkpoint.Checkpointer("/tmp/run1", max_to_keep=3)
-        >>> state = ckpt.restore(state, loader=loader)     # unchanged on a fresh run
-        >>> for epoch in range(loader.epoch, num_epochs):
-        ...     loader.set_epoch(epoch)
-        ...     for batch in loader:
-        ...         state, metrics = step(state, batch)
-        ...     ckpt.save(int(state.step), state, loader=loader)
+    Example (a training loop saves `ckpt.save(step, state, loader=loader)` the same way):
+        >>> import tempfile, numpy as np, jdp
+        >>> state = jdp.broadcast({"w": np.zeros(3, np.float32)})
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     ckpt = jdp.checkpoint.Checkpointer(directory, max_to_keep=2)
+        ...     state = ckpt.restore(state)          # unchanged: nothing saved yet
+        ...     for step in range(1, 4):
+        ...         state = {"w": state["w"] + 1}    # one training step
+        ...         ckpt.save(step, state)
+        ...     print(ckpt.all_steps(), ckpt.restore(state, step=2)["w"])
+        [2, 3] [2. 2. 2.]
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
@@ -118,7 +121,12 @@ class Checkpointer:
             TimeoutError: another process did not reach the save within `timeout_s`.
 
         Example:
-            >>> ckpt.save(1000, state, loader=loader)
+            >>> import tempfile, numpy as np, jdp
+            >>> loader = jdp.data.Loader({"x": np.arange(8, dtype=np.float32)}, batch_size=4)
+            >>> with tempfile.TemporaryDirectory() as directory:
+            ...     batch = next(iter(loader))
+            ...     jdp.checkpoint.Checkpointer(directory).save(
+            ...         1, jdp.replicate({"w": np.ones(3)}), loader=loader)
         """
         _progress.record("checkpoint")
         step = _as_step(step)
@@ -167,7 +175,13 @@ class Checkpointer:
                 is damaged; the message names the file or array.
 
         Example:
-            >>> state = ckpt.restore(jdp.broadcast(initial_state), loader=loader)
+            >>> import tempfile, numpy as np, jdp
+            >>> with tempfile.TemporaryDirectory() as directory:
+            ...     ckpt = jdp.checkpoint.Checkpointer(directory)
+            ...     ckpt.save(5, jdp.replicate({"w": np.arange(3.0)}))   # the stacked layout
+            ...     state = ckpt.restore(jdp.broadcast({"w": np.zeros(3)}))   # the global one
+            >>> state["w"], state["w"].sharding.is_fully_replicated
+            (Array([0., 1., 2.], dtype=float32), True)
         """
         _progress.record("checkpoint")
         found, stacked = tree.leaves(state, "Checkpointer.restore")
