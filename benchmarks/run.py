@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from typing import NamedTuple
 
 from benchmarks import harness, jobs, report, zero
 
+HAS_TORCH = importlib.util.find_spec("torch") is not None
 # Ratios finer than round-to-round noise: "job:a/b" = a / b, alternated in short bursts.
 PAIRED = ["2dev:jdp/hand", "2dev+malloc:jdp/hand", "2dev+malloc:shardmap/jdp",
           "2dev+malloc:maxpool/jdp", "2dev+malloc:global/jdp", "2proc:global/jdp"]
@@ -74,13 +76,11 @@ def plan(settings: Settings, root: str) -> list[jobs.Job]:
     out = []
     for tag, malloc in (("", "default"), ("+malloc", "tuned")):
         for k in (1, 2, 4, 8) if settings.malloc_scaling or not tag else (2,):
-            out.append(jobs.jax_job(f"{k}dev{tag}", os.path.join(root, f"{k}dev{tag}"), k,
-                                    ["jdp", "hand", "shardmap", "maxpool", "global"] if k == 2
-                                    else ["jdp"], malloc))
-        out.append(jobs.launch_job(f"2proc{tag}", os.path.join(root, f"2proc{tag}"), 2,
-                                   ["jdp", "global"], malloc))
-        if jobs.torch_available():
-            out.append(jobs.torch_job(f"torch{tag}", os.path.join(root, f"torch{tag}"), 2, malloc))
+            out.append(jobs.jax_job(f"{k}dev{tag}", root, k, ["jdp", "hand", "shardmap",
+                                    "maxpool", "global"] if k == 2 else ["jdp"], malloc))
+        out.append(jobs.launch_job(f"2proc{tag}", root, ["jdp", "global"], malloc))
+        if HAS_TORCH:
+            out.append(jobs.torch_job(f"torch{tag}", root, malloc))
     return out
 
 
@@ -131,7 +131,7 @@ def measure(workers: dict, settings: Settings) -> dict:
 
 def run(settings: Settings, only: list[str]) -> dict:
     """Start the jobs (all, or those named in `only`), measure, stop them: the results."""
-    notes = [] if jobs.torch_available() else [
+    notes = [] if HAS_TORCH else [
         "torch is not installed: no PyTorch DDP rows (pip install torch==2.13.0, CPU build)"]
     r = {"settings": settings._asdict(), "generated": time.strftime("%Y-%m-%d %H:%M"),
          "load_before": os.getloadavg(), "notes": notes, "started": time.time()}

@@ -1,9 +1,8 @@
 """A JAX benchmark process: `python -m benchmarks.worker CONTROL_DIR VARIANT[,VARIANT...]`.
 
-Started with k simulated devices (XLA_FLAGS) or as one rank under `python -m jdp.launch`, it
-builds and compiles its step variants once, then answers the parent's requests
-(`benchmarks.harness`). Every variant trains the MNIST CNN of `examples/mnist.py` with its
-loss, 64 examples per device, SGD momentum 0.9 at lr 0.05 (as the PyTorch peer), donated state:
+With k simulated devices, or as one rank under `jdp.launch`: it compiles its variants once,
+then answers requests (`benchmarks.harness`). Each trains `examples/mnist.py`'s CNN and loss,
+64 examples per device, SGD momentum 0.9 at lr 0.05 (as the PyTorch peer), donated state:
 
     jdp       jdp.train_step as examples/mnist.py builds it (stacked pmap layout)
     hand      a hand-written jax.pmap + lax.pmean step doing the same work
@@ -38,6 +37,7 @@ _spec = importlib.util.spec_from_file_location("jdp_examples_mnist", os.path.joi
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 METRIC_SCALARS = 2  # "loss" and the example's "accuracy"
+OPS = ("time", "paired", "hlo", "profile", "loader")  # the requests a worker answers
 
 
 class MaxPoolCNN(nn.Module):
@@ -160,13 +160,9 @@ class Bench:
         return {"samples_per_s": loader_throughput(batch_size=request["batch_size"],
                                                    num_batches=request["num_batches"], runs=1)}
 
-    def handlers(self) -> dict[str, Callable[[dict], dict]]:
-        return {"time": self.time, "paired": self.paired, "hlo": self.hlo,
-                "profile": self.profile, "loader": self.loader}
-
 
 if __name__ == "__main__":
     jdp.initialize()
     bench = Bench(sys.argv[2].split(","))
-    harness.serve(sys.argv[1], bench.handlers(), primary=jax.process_index() == 0,
-                  info={"variants": list(bench.variants)})
+    harness.serve(sys.argv[1], {op: getattr(bench, op) for op in OPS},
+                  primary=jax.process_index() == 0, info={"variants": list(bench.variants)})
