@@ -110,6 +110,13 @@ def _two_process_global(directory: str, out: str) -> None:
     fresh = jdp.checkpoint.Checkpointer(directory, timeout_s=30)
     _dump(f"{out}.{jax.process_index()}.npz", global_=fresh.restore(to_global(make_state(99))),
           stacked=fresh.restore(jdp.replicate(make_state(99))))
+    # ZeRO: optimizer moments sharded over both processes' devices (gathered for the CRC).
+    zero = jdp.checkpoint.Checkpointer(os.path.join(directory, "zero"), timeout_s=30)
+    zero.save(1, jdp.broadcast(busy_state(4), shard_optimizer=True))
+    restored = zero.restore(jdp.broadcast(make_state(99)))  # unsharded: fully addressable here
+    np.savez(f"{out}.zero.{jax.process_index()}.npz", **{
+        jax.tree_util.keystr(p): np.asarray(x.addressable_data(0))
+        for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]})
 
 
 def busy_state(seed: int) -> jdp.TrainState:

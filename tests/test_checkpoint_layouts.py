@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _checkpoint_child import global_state, host_leaves, make_state
+from _checkpoint_child import busy_state, global_state, host_leaves, make_state
 from conftest import REPO, child_env, free_port, run_python
 
 import jdp
@@ -101,3 +101,15 @@ def test_two_processes_save_a_global_state_that_restores_anywhere(tmp_path):
     ckpt = Checkpointer(directory)
     assert_global(ckpt.restore(global_state(make_state(9))))
     assert_stacked(ckpt.restore(jdp.replicate(make_state(9))))
+    # ZeRO's optimizer state sharded over the 2 processes: unsharded on each, and here sharded.
+    busy = {k: np.asarray(jnp.asarray(v)) for k, v in host_leaves(busy_state(4)).items()}
+    for rank in range(2):
+        got = np.load(f"{out}.zero.{rank}.npz")
+        for name, want in busy.items():
+            assert got[name].tobytes() == want.tobytes(), (rank, name)
+    sharded = Checkpointer(directory / "zero").restore(
+        jdp.broadcast(make_state(9), shard_optimizer=True))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(sharded)[0]:
+        want = busy[jax.tree_util.keystr(path)]
+        cut = np.asarray(leaf)[tuple(slice(0, n) for n in want.shape)]
+        assert cut.tobytes() == want.tobytes(), path
