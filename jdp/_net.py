@@ -14,7 +14,7 @@ import time
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that nothing listens on right now (the OS picks it)."""
-    family, sockaddr = _resolve(host, 0)
+    family, sockaddr = resolve(host, 0)
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind(sockaddr)
         return s.getsockname()[1]
@@ -40,7 +40,7 @@ def port_problem(host: str, port: int, what: str = "MASTER_PORT") -> str | None:
         A one-line message naming the value and the fix, or None when the port is usable.
     """
     try:
-        family, sockaddr = _resolve(host, port)
+        family, sockaddr = resolve(host, port)
     except OSError as e:
         return (f"MASTER_ADDR={host!r} does not resolve ({e}); set it to an address or host "
                 "name of the machine that runs process 0")
@@ -62,7 +62,7 @@ def port_problem(host: str, port: int, what: str = "MASTER_PORT") -> str | None:
 def resolves(host: str) -> bool:
     """Does `host` (a name or an address) resolve to a TCP address?"""
     try:
-        _resolve(host, 0)
+        resolve(host, 0)
     except (OSError, UnicodeError):
         return False
     return True
@@ -99,7 +99,7 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
             time.sleep(0.1)
 
 
-def _resolve(host: str, port: int) -> tuple[int, tuple]:
+def resolve(host: str, port: int) -> tuple[int, tuple]:
     """(address family, sockaddr) of the first TCP address of `host`."""
     family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port,
                                                    type=socket.SOCK_STREAM)[0]

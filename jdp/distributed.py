@@ -28,7 +28,7 @@ import numpy as np
 from jax._src import distributed as _jax_distributed
 from jax.experimental import multihost_utils
 
-from jdp import _exit, _malloc, _net
+from jdp import _exit, _malloc, _net, _rendezvous
 
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30
@@ -193,8 +193,7 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
             if problem:
                 raise ValueError(problem)
             bind = plan.coordinator  # this interface only, not every interface of the host
-        else:
-            timeout = _await_coordinator(host, port, plan, initialization_timeout)
+        timeout = _roll_call(host, port, plan, initialization_timeout)
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         # The preemption service catches SIGTERM (a child outlived it by > 4 s): the launcher
         # stops ranks with SIGTERM, so it must stay off unless the user asks for it.
@@ -224,18 +223,18 @@ def _jax_initialize(**kwargs) -> None:
                            "main") from None
 
 
-def _await_coordinator(host: str, port: int, plan: _Plan, timeout: int) -> int:
-    """Wait for process 0's coordinator to accept connections; return the time left.
+def _roll_call(host: str, port: int, plan: _Plan, timeout: int) -> int:
+    """Every process reports to process 0 before JAX's join; return the seconds left.
 
-    JAX aborts the process (SIGABRT, C++ stack dump) when it cannot reach the coordinator
-    within its timeout; this turns that case into a TimeoutError with the address in it.
+    JAX aborts the processes (SIGABRT, C++ stack dump) when one never joins; the roll call
+    (jdp/_rendezvous.py) turns that into a TimeoutError naming the missing processes on
+    process 0 and the coordinator's address on the others.
     """
     start = time.monotonic()
-    if not _net.wait_for_port(host, port, timeout):
-        raise TimeoutError(
-            f"process {plan.process_id} could not reach the coordinator at {plan.coordinator} "
-            f"within {timeout} s; check that process 0 runs and that MASTER_ADDR/MASTER_PORT "
-            "name its address and port (or raise JDP_INIT_TIMEOUT)")
+    if plan.process_id == 0:
+        _rendezvous.gather(host, port, plan.num_processes, timeout)
+    else:
+        _rendezvous.report(host, port, plan.process_id, timeout)
     return max(1, int(timeout - (time.monotonic() - start) + 0.999))
 
 
