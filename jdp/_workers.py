@@ -114,7 +114,7 @@ class Pool:
                 self.broken = True
                 raise _died(i, proc, b, plan)
         try:
-            reply = pickle.loads(conn.recv_bytes())
+            reply = _recv(conn)
         except (EOFError, OSError):
             self.broken = True
             raise _died(i, proc, b, plan) from None
@@ -147,7 +147,19 @@ class Pool:
 
 
 def _send(conn, message: tuple) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    """Pickle `message` with its arrays' memory sent as raw frames after it (no extra copy)."""
+    buffers: list = []
+    head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    conn.send_bytes(len(buffers).to_bytes(4, "little") + head)
+    for buffer in buffers:
+        conn.send_bytes(buffer.raw())
+
+
+def _recv(conn) -> Any:
+    """The message `_send` sent; arrays are views of the received frames (read-only)."""
+    first = conn.recv_bytes()
+    frames = [conn.recv_bytes() for _ in range(int.from_bytes(first[:4], "little"))]
+    return pickle.loads(memoryview(first)[4:], buffers=frames)
 
 
 def _died(i: int, proc, b: int | None, plan: _batches.EpochPlan | None) -> RuntimeError:
@@ -177,7 +189,7 @@ def _work(conn, recipe_bytes: bytes, parent: int) -> None:
                 if os.getppid() != parent:
                     return
                 continue
-            message = pickle.loads(conn.recv_bytes())
+            message = _recv(conn)
         except (EOFError, OSError):
             return
         if message[0] == "stop":

@@ -1,0 +1,166 @@
+"""Input pipeline throughput: JPEG decode + random crop + flip, jdp's Loader vs torch vs Grain.
+
+Every pipeline reads the same source (JPEG images made and encoded here with PIL), and does the
+same work per example: decode, a random 112x112 crop, a random horizontal flip, each example's
+randomness from its own generator; batches of 32 (uint8 [32, 112, 112, 3] and labels). jdp's
+Loader also puts each batch on the device (and waits for it); torch's DataLoader and Grain stop
+at host arrays. Workers are started once (torch `persistent_workers`, jdp's pool, Grain's
+iterator) and one epoch warms them up; the table shows the median images/s of the timed epochs
+and the seconds to the first batch (process start-up included).
+
+    python -m benchmarks.bench_input               # prints a markdown table
+"""
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import time
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+NUM_IMAGES, SIZE, CROP, BATCH, EPOCHS = 512, 128, 112, 32, 3
+
+
+def make_jpegs(n: int = NUM_IMAGES, seed: int = 0) -> dict[str, np.ndarray]:
+    """n smooth RGB images with noise, JPEG-encoded (quality 90), as padded byte rows."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:SIZE, 0:SIZE] / SIZE
+    encoded = []
+    for _ in range(n):
+        a, b, c = rng.uniform(0.5, 4, 3)
+        base = np.stack([np.sin(a * x * 6), np.cos(b * y * 6), np.sin(c * (x + y) * 3)], -1)
+        pixels = np.clip((base + 1) * 110 + rng.normal(0, 12, base.shape), 0, 255)
+        out = io.BytesIO()
+        Image.fromarray(pixels.astype(np.uint8)).save(out, format="JPEG", quality=90)
+        encoded.append(np.frombuffer(out.getvalue(), np.uint8))
+    width = max(len(e) for e in encoded)
+    rows = np.zeros((n, width), np.uint8)
+    for i, e in enumerate(encoded):
+        rows[i, :len(e)] = e
+    return {"jpeg": rows, "size": np.array([len(e) for e in encoded], np.int32),
+            "label": np.arange(n, dtype=np.int32) % 10}
+
+
+def decode_crop_flip(row: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """One example's work: JPEG decode, random CROP x CROP crop, random horizontal flip."""
+    from PIL import Image
+
+    image = np.asarray(Image.open(io.BytesIO(row[:size].tobytes())).convert("RGB"))
+    top, left = rng.integers(0, SIZE - CROP + 1, 2)
+    image = image[top:top + CROP, left:left + CROP]
+    return image[:, ::-1] if rng.random() < 0.5 else image
+
+
+class Augment:
+    """jdp transform: the batch's JPEG rows -> images, each with its own generator."""
+
+    def __call__(self, batch: dict, rng: list) -> dict:
+        images = [decode_crop_flip(r, n, g) for r, n, g in zip(batch["jpeg"], batch["size"], rng)]
+        return {"image": np.stack(images), "label": batch["label"]}
+
+
+class TorchJpegs:
+    """torch map-style dataset over the same rows, the same per-example work."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data["label"])
+
+    def __getitem__(self, i: int):
+        rng = np.random.default_rng([0, 0, i])
+        image = decode_crop_flip(self.data["jpeg"][i], self.data["size"][i], rng)
+        return np.ascontiguousarray(image), self.data["label"][i]
+
+
+class GrainDecode:
+    """Grain random map: the same per-example work with Grain's per-example generator."""
+
+    def __call__(self, example: dict, rng: np.random.Generator) -> dict:
+        image = decode_crop_flip(example["jpeg"], example["size"], rng)
+        return {"image": np.ascontiguousarray(image), "label": example["label"]}
+
+
+def _timed(make_iter, epochs: int = EPOCHS) -> tuple[float, float]:
+    """(median images/s over the epochs after the first, seconds to the first batch)."""
+    start = time.perf_counter()
+    first, rates = None, []
+    for epoch in range(epochs):
+        t0, count = time.perf_counter(), 0
+        for batch in make_iter():
+            count += len(batch)
+            if first is None:
+                first = time.perf_counter() - start
+        if epoch:
+            rates.append(count / (time.perf_counter() - t0))
+    return statistics.median(rates), first
+
+
+def jdp_rate(data: dict, workers: int) -> tuple[float, float]:
+    import jax
+
+    import jdp
+
+    loader = jdp.data.Loader(jdp.data.ArraySource(data), BATCH, shuffle=True,
+                             transform=Augment(), num_workers=workers, drop_last=True)
+
+    def batches():
+        for batch in loader:
+            yield jax.block_until_ready(batch["image"]).reshape(-1, CROP, CROP, 3)
+
+    try:
+        return _timed(batches)
+    finally:
+        loader.close()
+
+
+def torch_rate(data: dict, workers: int) -> tuple[float, float]:
+    import torch
+
+    torch.set_num_threads(1)
+    loader = torch.utils.data.DataLoader(
+        TorchJpegs(data), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers,
+        persistent_workers=workers > 0)  # torch default start method (fork): its best case
+    return _timed(lambda: (x for x, _ in loader))
+
+
+def grain_rate(data: dict, workers: int) -> tuple[float, float]:
+    import grain
+    from absl import flags
+
+    flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags, which a script never parses
+    examples = [{k: v[i] for k, v in data.items()} for i in range(len(data["label"]))]
+    dataset = (grain.MapDataset.source(examples).shuffle(seed=0)
+               .random_map(GrainDecode(), seed=0).batch(BATCH, drop_remainder=True))
+    iterable = dataset.to_iter_dataset()
+    if workers:
+        iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return _timed(lambda: (b["image"] for b in iterable))
+
+
+def main() -> None:
+    data = make_jpegs()
+    rows = [("jdp Loader", w, jdp_rate, data) for w in (0, 1, 2)]
+    rows += [("torch DataLoader", w, torch_rate, data) for w in (0, 2)]
+    rows += [("grain MapDataset", w, grain_rate, data) for w in (0, 2)]
+    print(f"Input pipeline: {NUM_IMAGES} JPEGs {SIZE}x{SIZE} -> decode, random crop {CROP}, "
+          f"flip; batch {BATCH}; {os.cpu_count()} CPU cores\n")
+    print("| pipeline | workers | images/s | first batch (s) |")
+    print("|---|---:|---:|---:|")
+    for name, workers, fn, source in rows:
+        try:
+            rate, first = fn(source, workers)
+            print(f"| {name} | {workers} | {rate:,.0f} | {first:.1f} |", flush=True)
+        except ImportError as err:
+            print(f"| {name} | {workers} | not installed ({err.name}) | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
