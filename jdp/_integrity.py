@@ -82,3 +82,24 @@ def from_error(error: BaseException, step_dir: str, what: str) -> Damaged:
 def _describe(info: tuple) -> str:
     shape, dtype, crc = info
     return f"shape {tuple(shape)} {dtype} CRC32 {crc:#010x}"
+
+
+def check_structure(saved: dict, found: list, step: int) -> None:
+    """ValueError naming the first leaf where checkpoint `step` and the state differ."""
+    where = f"Checkpointer.restore: checkpoint {step} does not match the state"
+    for leaf in found:
+        entry = saved.get(leaf.name)
+        if entry is None:
+            raise ValueError(f"{where}: missing in checkpoint: {leaf.name} (state has shape "
+                             f"{leaf.shape}). Restore into a state built like the one saved")
+        if tuple(entry["shape"]) != leaf.shape:
+            raise ValueError(f"{where}: {leaf.name}: checkpoint has shape "
+                             f"{tuple(entry['shape'])}, state has {leaf.shape}")
+        if entry["dtype"] != str(leaf.dtype):
+            raise ValueError(f"{where}: {leaf.name}: checkpoint has dtype {entry['dtype']}, "
+                             f"state has {leaf.dtype}. Restore into a state of the saved "
+                             "dtypes, then cast")
+    extra = sorted(set(saved) - {leaf.name for leaf in found})
+    if extra:
+        raise ValueError(f"{where}: in checkpoint but not in state: {extra[0]}. Restore into a "
+                         "state built like the one saved")

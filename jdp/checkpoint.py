@@ -17,9 +17,9 @@ multi-process aware:
 * Verified: each checkpoint carries a CRC32 of every array (see `jdp._integrity`). A damaged
   newest checkpoint is skipped with a warning naming the file or array; an explicitly
   requested one raises `CorruptCheckpointError`.
-* Synchronous: when `save` returns, the checkpoint is on disk and the process may exit or be
-  killed. Writing a small model takes milliseconds, not worth a background thread that
-  every exit path would have to drain first.
+* Synchronous by default: when `save` returns, the checkpoint is on disk and the process may
+  exit or be killed. `async_save=True` writes in a background thread that every later call
+  and interpreter exit wait for; a kill meanwhile loses only the checkpoint being written.
 
 Only array leaves are saved; the rest (`apply_fn`, `tx`) comes from the state given to restore.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import operator
 import os
-import re
+import threading
 import warnings
 from typing import Any
 
@@ -38,17 +38,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jdp import _checkpoint_orbax as orbax_setup
 from jdp import _checkpoint_tree as tree
 from jdp import _integrity, _progress
+from jdp._checkpoint_orbax import INTEGRITY, LOADER, STATE
 from jdp._integrity import CorruptCheckpointError, Damaged
 from jdp.distributed import barrier
 
 __all__ = ["Checkpointer", "CorruptCheckpointError"]
 
-_STATE, _LOADER, _INTEGRITY = "state", "loader", "integrity"
-_TRASH = ".jdp-deleting"  # old steps are renamed in here, then deleted, by the writer
-_LEFTOVER = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # a save that never finished
-_DONE = "commit_success.txt"  # orbax writes it last, before the final rename
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
 
 
@@ -67,6 +65,12 @@ class Checkpointer:
         timeout_s: seconds a process waits for the others at a save or restore before raising
             TimeoutError (a peer that is dead, stuck, or skipped the call). orbax's own
             barriers inside a save wait up to 300 s.
+        async_save: return from `save` once the arrays are copied to host memory and write
+            them in a background thread (for large states). The write is finished before
+            the next `save`, `restore`, `all_steps`/`latest_step`, `close`, and at interpreter
+            exit (also after an uncaught exception, and after a SIGTERM handled by
+            `jdp.preempted()`); a process killed meanwhile loses only that checkpoint, never
+            the previous one. `close()` (or `with`) raises a failed background write.
 
     Example (a training loop saves `ckpt.save(step, state, loader=loader)` the same way):
         >>> import tempfile, numpy as np, jdp
@@ -82,13 +86,15 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, async_save: bool = False):
         if max_to_keep is not None and (isinstance(max_to_keep, bool)
                                         or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an integer >= 1, or None "
                              "to keep every checkpoint")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save={async_save!r} must be True or False")
         text = os.fspath(directory)  # a local path, or a URL such as gs://bucket/run
         self.directory = text if "://" in text else os.path.abspath(os.path.expanduser(text))
         self._root = epath.Path(self.directory)
@@ -98,15 +104,21 @@ class Checkpointer:
         self.timeout_s = float(timeout_s)
         self._key = f"jdp.checkpoint:{self.directory}"
         self._manager = ocp.CheckpointManager(
-            self.directory, options=_manager_options(max_to_keep),
-            handler_registry=_registry(_multiprocessing_options()))
+            self.directory, options=orbax_setup.manager_options(max_to_keep, async_save),
+            handler_registry=orbax_setup.registry())
+        self._async, self._closed = async_save, False
+        if async_save:
+            # Private: Python's only exit hook that runs before concurrent.futures stops taking
+            # work (which orbax's writer needs); atexit runs after that, too late. No public API.
+            threading._register_atexit(self._finish_at_exit)
 
     def save(self, step: int, state: Any, loader: Any = None) -> None:
         """Write `state`'s logical copy (and `loader`'s position) as checkpoint `step`.
 
-        Call it on every process. Returns once the checkpoint is complete on disk; the oldest
-        checkpoints beyond `max_to_keep` are then deleted, and so are the leftovers of saves
-        that a killed process never finished.
+        Call it on every process. Returns once the checkpoint is complete on disk (with
+        `async_save`: once the arrays are copied to host memory); the oldest checkpoints
+        beyond `max_to_keep` are then deleted, and so are the leftovers of saves that a
+        killed process never finished.
 
         Args:
             step: a non-negative integer, larger than every step already saved here.
@@ -129,6 +141,7 @@ class Checkpointer:
             ...         1, jdp.replicate({"w": np.ones(3)}), loader=loader)
         """
         _progress.record("checkpoint")
+        self._wait()
         step = _as_step(step)
         found, stacked = tree.leaves(state, "Checkpointer.save")
         position = _loader_position(loader)
@@ -143,12 +156,13 @@ class Checkpointer:
                 f"{self.directory}; steps must increase. Pass a larger step (e.g. the state's "
                 "step counter), or save into a new directory")
         self._prepare_to_write()
-        items = {_STATE: ocp.args.PyTreeSave(tree.saved_tree(values)),
-                 _INTEGRITY: ocp.args.JsonSave(record)}
+        items = {STATE: ocp.args.PyTreeSave(tree.saved_tree(values)),
+                 INTEGRITY: ocp.args.JsonSave(record)}
         if position is not None:
-            items[_LOADER] = ocp.args.JsonSave(position)
+            items[LOADER] = ocp.args.JsonSave(position)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-        self._empty_trash()
+        if not self._async:
+            self._empty_trash()
 
     def restore(self, state: Any, loader: Any = None, step: int | None = None) -> Any:
         """Load checkpoint `step` (default: the newest intact one) into the structure of `state`.
@@ -184,6 +198,7 @@ class Checkpointer:
             (Array([0., 1., 2.], dtype=float32), True)
         """
         _progress.record("checkpoint")
+        self._wait()
         found, stacked = tree.leaves(state, "Checkpointer.restore")
         if loader is not None and not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
@@ -209,16 +224,29 @@ class Checkpointer:
         Read from the directory on every call (another job may be saving): a step counts once
         orbax has renamed its finished directory into place, with its commit marker.
         """
-        try:
-            entries = list(self._root.iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(int(p.name) for p in entries
-                      if p.name.isdigit() and (p / _DONE).exists())
+        self._wait()
+        return orbax_setup.complete_steps(self._root)
 
     def close(self) -> None:
-        """Release orbax's resources. Saves are already complete when `save` returns."""
+        """Finish a background save (raising if it failed) and release orbax's resources."""
+        if self._async and not self._closed:
+            self._closed = True
+            self._finish()
         self._manager.close()
+
+    def _wait(self) -> None:
+        """Let this Checkpointer's background save, if any, finish (raising if it failed)."""
+        if self._async:
+            self._manager.wait_until_finished()
+
+    def _finish_at_exit(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._finish()
+
+    def _finish(self) -> None:
+        self._manager.wait_until_finished()
+        self._empty_trash()  # what the background save's max_to_keep moved there
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -271,28 +299,28 @@ class Checkpointer:
     def _read(self, step: int, found: list, stacked: bool, loader: Any) -> tuple[list, Any]:
         """Checkpoint `step`'s values in `found` order and loader position, verified."""
         record = _integrity.checked_record(
-            self._restore_items(step, {_INTEGRITY: ocp.args.JsonRestore()})[_INTEGRITY])
-        _check_structure(record["arrays"], found, step)
+            self._restore_items(step, {INTEGRITY: ocp.args.JsonRestore()})[INTEGRITY])
+        _integrity.check_structure(record["arrays"], found, step)
         if loader is not None and record["loader_crc32"] is None:
             raise ValueError(
                 f"Checkpointer.restore: checkpoint {step} in {self.directory} holds no loader "
                 "position (it was saved with loader=None); pass loader=None to restore only "
                 "the state")
         targets = {leaf.keys: tree.target(leaf, stacked) for leaf in found}
-        items = {_STATE: ocp.args.PyTreeRestore(
+        items = {STATE: ocp.args.PyTreeRestore(
             tree.saved_tree({k: t[0] for k, t in targets.items()}),
             restore_args=tree.saved_tree({k: t[1] for k, t in targets.items()}))}
         if loader is not None:
-            items[_LOADER] = ocp.args.JsonRestore()
+            items[LOADER] = ocp.args.JsonRestore()
         restored = self._restore_items(step, items)
-        flat = tree.saved_flat(restored[_STATE])
+        flat = tree.saved_flat(restored[STATE])
         values = [flat.get(leaf.keys) for leaf in found]
         for leaf, value in zip(found, values, strict=True):
             if value is None:
                 raise Damaged(f"array {leaf.name}: missing from the restored state")
             _integrity.verify(leaf.name, tree.crop(tree.host_value(value), leaf.shape),
                               record["arrays"][leaf.name])
-        position = restored.get(_LOADER) if loader is not None else None
+        position = restored.get(LOADER) if loader is not None else None
         if loader is not None:
             _integrity.verify_position(position, record["loader_crc32"])
         return values, position
@@ -302,7 +330,7 @@ class Checkpointer:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # tensorstore, orbax, json and OS errors alike
-            what = f"{_INTEGRITY} item ({_integrity.RECORD_FILE})" if _INTEGRITY in items \
+            what = f"{INTEGRITY} item ({_integrity.RECORD_FILE})" if INTEGRITY in items \
                 else "state item"
             raise _integrity.from_error(e, os.path.join(self.directory, str(step)), what) \
                 from None
@@ -324,16 +352,12 @@ class Checkpointer:
                              f"{self.directory!r} ({e.strerror or e}); pass a writable "
                              "directory path") from None
         if jax.process_index() == 0:
-            for path in self._root.iterdir():
-                if _LEFTOVER.match(path.name):
-                    path.rmtree()
-            self._empty_trash()
+            orbax_setup.remove_leftovers(self._root)
         self._manager.reload()  # max_to_keep counts the steps on disk, not in memory
 
     def _empty_trash(self) -> None:
-        trash = self._root / _TRASH
-        if jax.process_index() == 0 and trash.exists():
-            trash.rmtree()
+        if jax.process_index() == 0:
+            orbax_setup.empty_trash(self._root)
 
     def _agree(self, what: str, step: int | None) -> None:
         """Raise on every process unless all processes chose the same `step`."""
@@ -350,60 +374,6 @@ class Checkpointer:
                 f"Checkpointer.{what}: processes chose different steps {seen} (process: step; "
                 f"None = no checkpoint). Every process must call {what} with the same step on "
                 "the same shared directory")
-
-
-def _check_structure(saved: dict, found: list, step: int) -> None:
-    """ValueError naming the first leaf where checkpoint `step` and the state differ."""
-    where = f"Checkpointer.restore: checkpoint {step} does not match the state"
-    for leaf in found:
-        entry = saved.get(leaf.name)
-        if entry is None:
-            raise ValueError(f"{where}: missing in checkpoint: {leaf.name} (state has shape "
-                             f"{leaf.shape}). Restore into a state built like the one saved")
-        if tuple(entry["shape"]) != leaf.shape:
-            raise ValueError(f"{where}: {leaf.name}: checkpoint has shape "
-                             f"{tuple(entry['shape'])}, state has {leaf.shape}")
-        if entry["dtype"] != str(leaf.dtype):
-            raise ValueError(f"{where}: {leaf.name}: checkpoint has dtype {entry['dtype']}, "
-                             f"state has {leaf.dtype}. Restore into a state of the saved "
-                             "dtypes, then cast")
-    extra = sorted(set(saved) - {leaf.name for leaf in found})
-    if extra:
-        raise ValueError(f"{where}: in checkpoint but not in state: {extra[0]}. Restore into a "
-                         "state built like the one saved")
-
-
-def _manager_options(max_to_keep: int | None) -> ocp.CheckpointManagerOptions:
-    policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(max_to_keep)
-    return ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=False, create=False,
-        # Readers must never delete: leftovers of a killed save are removed by `save`.
-        cleanup_tmp_directories=False,
-        # Old steps leave by one rename (a reader sees all of a step or none of it).
-        todelete_subdir=_TRASH,
-        # Do not read every step's metadata at construction: a writer may be deleting one.
-        lightweight_initialize=True,
-        multiprocessing_options=_multiprocessing_options())
-
-
-def _multiprocessing_options() -> ocp.options.MultiprocessingOptions:
-    # Naming the processes makes orbax wait at coordination-service barriers, which time out,
-    # instead of device all-reduces, which can hang forever.
-    processes = set(range(jax.process_count())) if jax.process_count() > 1 else None
-    return ocp.options.MultiprocessingOptions(primary_host=0, active_processes=processes)
-
-
-def _registry(mp: ocp.options.MultiprocessingOptions) -> ocp.handlers.CheckpointHandlerRegistry:
-    """Which orbax handler saves each item (so that a fresh manager can restore quietly)."""
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp)
-    for item in (_LOADER, _INTEGRITY):
-        json_handler = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
-        registry.add(item, ocp.args.JsonSave, json_handler)
-        registry.add(item, ocp.args.JsonRestore, json_handler)
-    registry.add(_STATE, ocp.args.PyTreeSave, state)
-    registry.add(_STATE, ocp.args.PyTreeRestore, state)
-    return registry
 
 
 def _as_step(step: Any) -> int:
