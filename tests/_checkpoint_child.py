@@ -117,6 +117,10 @@ def _two_process_global(directory: str, out: str) -> None:
     np.savez(f"{out}.zero.{jax.process_index()}.npz", **{
         jax.tree_util.keystr(p): np.asarray(x.addressable_data(0))
         for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]})
+    # An asynchronous save that nobody waits for: the exit must finish it on both processes
+    # (before jax.distributed shuts down, which orbax's barriers need).
+    jdp.checkpoint.Checkpointer(os.path.join(directory, "async"), async_save=True).save(
+        7, to_global(make_state(4)))
 
 
 def busy_state(seed: int) -> jdp.TrainState:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, job_env, wait_until_gone
+from conftest import REPO, job_env
 
 import jdp
 from jdp.checkpoint import Checkpointer
@@ -82,4 +82,3 @@ def test_save_returns_before_the_write_and_later_calls_see_it(tmp_path):
     assert np.asarray(restored["w"]).tobytes() == want(2)["w"].tobytes()
     ckpt.close()
     assert sorted(os.listdir(tmp_path)) == ["2"]
-    wait_until_gone  # noqa: B018 - conftest's tag fixture checks for leftover processes

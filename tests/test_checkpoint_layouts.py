@@ -107,6 +107,8 @@ def test_two_processes_save_a_global_state_that_restores_anywhere(tmp_path):
         got = np.load(f"{out}.zero.{rank}.npz")
         for name, want in busy.items():
             assert got[name].tobytes() == want.tobytes(), (rank, name)
+    assert_global(Checkpointer(directory / "async").restore(global_state(make_state(9))))
+    assert sorted(os.listdir(directory / "async")) == ["7"]
     sharded = Checkpointer(directory / "zero").restore(
         jdp.broadcast(make_state(9), shard_optimizer=True))
     for path, leaf in jax.tree_util.tree_flatten_with_path(sharded)[0]:
