@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import REPO, job_env
 
 import jdp
-from conftest import REPO, job_env
 from jdp.checkpoint import Checkpointer
 
 CHILD = os.path.join(REPO, "tests", "_checkpoint_async_child.py")

@@ -115,3 +115,22 @@ def test_two_processes_save_a_global_state_that_restores_anywhere(tmp_path):
         want = busy[jax.tree_util.keystr(path)]
         cut = np.asarray(leaf)[tuple(slice(0, n) for n in want.shape)]
         assert cut.tobytes() == want.tobytes(), path
+
+
+def test_a_global_layout_run_resumes_bitwise_after_a_restart(tmp_path):
+    from test_checkpoint import dataset, train
+
+    def loader():
+        return jdp.data.Loader(dataset(), 32, layout="global",
+                               sampler=jdp.data.DistributedSampler(96, shuffle=True, seed=3))
+
+    straight = train(jdp.broadcast(make_state()), loader(), 2)
+    first = loader()
+    Checkpointer(tmp_path).save(2, train(jdp.broadcast(make_state()), first, 2, stop=(2, True)),
+                                loader=first)
+    second = loader()  # a restarted process: fresh state (other values), loader, checkpointer
+    resumed = train(Checkpointer(tmp_path).restore(jdp.broadcast(make_state(seed=5)),
+                                                   loader=second), second, 2)
+    want = host_leaves(straight)
+    for name, got in host_leaves(resumed).items():
+        assert got.tobytes() == want[name].tobytes(), name
