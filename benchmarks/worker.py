@@ -1,7 +1,7 @@
 """A JAX benchmark process: `python -m benchmarks.worker CONTROL_DIR VARIANT[,VARIANT...]`.
 
 With k simulated devices, or as one rank under `jdp.launch`: it compiles its variants once,
-then answers requests (`benchmarks.harness`). Each trains `examples/mnist.py`'s CNN and loss,
+then answers requests (`benchmarks.harness`). Each trains `examples/mnist.py`'s CNN, its loss,
 64 examples per device, SGD momentum 0.9 at lr 0.05 (as the PyTorch peer), donated state:
 
     jdp       jdp.train_step as examples/mnist.py builds it (stacked pmap layout)
@@ -53,12 +53,23 @@ class MaxPoolCNN(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(128)(x.reshape(x.shape[0], -1))))
 
 
-def hand_step(apply_fn: Callable) -> Callable:
+def loss_of(model: nn.Module) -> Callable:
+    """The example's loss for `model`: mean cross-entropy, accuracy, new BatchNorm statistics."""
+    def loss_fn(params, batch, batch_stats):
+        logits, updates = model.apply({"params": params, "batch_stats": batch_stats},
+                                      batch["image"], train=True, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        accuracy = (logits.argmax(-1) == batch["label"]).mean()
+        return loss, ({"accuracy": accuracy}, updates["batch_stats"])
+    return loss_fn
+
+
+def hand_step(loss_fn: Callable) -> Callable:
     """A hand-written pmap step doing jdp's work: gradients, BatchNorm statistics and metrics
     averaged over devices (XLA merges them into one all-reduce), donated state."""
     def device_step(state, batch):
         def loss(params):
-            return example.loss_fn(params, batch, state.model_state, apply_fn)
+            return loss_fn(params, batch, state.model_state)
         (value, (metrics, stats)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
         state = state.apply_gradients(grads=lax.pmean(grads, jdp.AXIS))
         state = state.replace(model_state=lax.pmean(stats, jdp.AXIS))
@@ -82,13 +93,14 @@ def build(name: str, per_device: int) -> Variant:
     rng, size = np.random.default_rng(jax.process_index()), per_device * jax.local_device_count()
     data = {"image": rng.integers(0, 256, (size, 28, 28, 1), dtype=np.uint8),
             "label": rng.integers(0, 10, size, dtype=np.int32)}
-    step = jdp.train_step(lambda p, b, s: example.loss_fn(p, b, s, model.apply), has_aux=True,
+    step = jdp.train_step(loss_of(model), has_aux=True,
                           **({"backend": "shard_map"} if name == "shardmap" else {}))
     if name == "global":
         batch = next(iter(jdp.data.Loader(data, size, layout="global")))
         return Variant(step, jdp.broadcast(state), batch)
     batch = jax.device_put(jdp.shard(data), local_sharding())
-    return Variant(hand_step(model.apply) if name == "hand" else step, jdp.replicate(state), batch)
+    return Variant(hand_step(loss_of(model)) if name == "hand" else step, jdp.replicate(state),
+                   batch)
 
 
 class Bench:

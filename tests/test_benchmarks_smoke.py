@@ -12,6 +12,7 @@ import math
 import re
 import sys
 import textwrap
+import types
 
 import pytest
 from conftest import REPO, child_env
@@ -42,13 +43,25 @@ def results():
             "commands": {"2dev": "python -m benchmarks.worker"}}
 
 
+@pytest.fixture(scope="module")
+def block(results):
+    """The generated block of BENCHMARKS.md from these results (every table of run.TABLES;
+    the input-pipeline table's own measurement is stubbed: its module tests it)."""
+    from benchmarks import run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "benchmarks.bench_input", types.SimpleNamespace(
+            table=lambda: "| input pipeline | samples/s |\n| --- | --- |\n| stub | 1 |\n"))
+        return run.render(results)
+
+
 def tables(markdown: str) -> list[list[list[str]]]:
     """Every markdown table of a text, as rows of cells (header first, separator dropped)."""
     out, current = [], []
     for line in markdown.splitlines() + [""]:
-        if line.startswith("|"):
-            current.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif current:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and set(cells) != {"---"}:
+            current.append(cells)
+        elif current and not line.startswith("|"):
             out.append(current)
             current = []
     return out
@@ -77,9 +90,8 @@ def test_profile_finds_convolutions_and_the_all_reduce(results):
     assert profile["convolution"] > 0 and profile["all-reduce"] > 0
 
 
-def test_every_table_renders_well_formed_with_finite_numbers(results):
+def test_every_table_renders_well_formed_with_finite_numbers(block):
     from benchmarks import run
-    block = run.render(results)
     for title, _ in run.TABLES:
         assert f"### {title}" in block
     assert "Failed:" not in block
@@ -92,6 +104,17 @@ def test_every_table_renders_well_formed_with_finite_numbers(results):
                 assert not re.search(r"\b(nan|inf)\b", cell.lower()), (cell, rows[0])
                 for number in NUMBER.findall(cell.replace("1/N", "")):
                     assert math.isfinite(float(number.replace(",", ""))), (cell, rows[0])
+
+
+def test_sharded_optimizer_state_is_a_1_over_n_share_when_jdp_has_it(block):
+    found = tables(block.split("Optimizer-state sharding")[1].split("###")[0])
+    if not found:
+        pytest.skip("this jdp has no shard_optimizer")
+    header, *rows = found[0]
+    share, n = header.index("sharded / replicated"), header.index("1/N")
+    for row in rows:
+        if row[share] != "n/a":
+            assert float(row[share]) <= float(row[n]) + 0.01, row
 
 
 def test_splice_replaces_only_the_generated_block():
@@ -123,13 +146,12 @@ def test_collective_parser_reads_tuple_async_and_sharded_forms():
 
 
 def test_input_pipeline_hook_calls_the_data_benchmarks_table(monkeypatch):
-    import types
-
     from benchmarks import run
-    fake = types.ModuleType("benchmarks.bench_input")
-    fake.table = lambda: "| a |\n| --- |\n| 1 |\n"
+    fake = types.SimpleNamespace(table=lambda: "| a |\n| --- |\n| 1 |\n")
     monkeypatch.setitem(sys.modules, "benchmarks.bench_input", fake)
     assert run.input_pipeline({}) == fake.table()
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_input", types.SimpleNamespace())
+    assert run.input_pipeline({}).startswith("Skipped")
 
 
 def test_protocol_round_trip_with_a_child_process(tmp_path):
