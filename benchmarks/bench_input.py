@@ -5,8 +5,9 @@ same work per example: decode, a random 112x112 crop, a random horizontal flip, 
 randomness from its own generator; batches of 32 (uint8 [32, 112, 112, 3] and labels). jdp's
 Loader also puts each batch on the device (and waits for it); torch's DataLoader and Grain stop
 at host arrays. Workers are started once (torch `persistent_workers`, jdp's pool, Grain's
-iterator) and one epoch warms them up; the table shows the median images/s of the timed epochs
-and the seconds to the first batch (process start-up included).
+iterator) and one epoch warms them up; then every pipeline runs one epoch per round, rounds
+interleaved (fair on shared cores). The table shows the median images/s and the seconds to the
+first batch (worker start-up included).
 
     python -m benchmarks.bench_input               # prints a markdown table
 """
@@ -22,7 +23,7 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-NUM_IMAGES, SIZE, CROP, BATCH, EPOCHS = 512, 128, 112, 32, 3
+NUM_IMAGES, SIZE, CROP, BATCH = 512, 128, 112, 32
 
 
 def make_jpegs(n: int = NUM_IMAGES, seed: int = 0) -> dict[str, np.ndarray]:
@@ -88,22 +89,22 @@ class GrainDecode:
         return {"image": np.ascontiguousarray(image), "label": example["label"]}
 
 
-def _timed(make_iter, epochs: int = EPOCHS) -> tuple[float, float]:
-    """(median images/s over the epochs after the first, seconds to the first batch)."""
-    start = time.perf_counter()
-    first, rates = None, []
-    for epoch in range(epochs):
-        t0, count = time.perf_counter(), 0
-        for batch in make_iter():
-            count += len(batch)
-            if first is None:
-                first = time.perf_counter() - start
-        if epoch:
-            rates.append(count / (time.perf_counter() - t0))
-    return statistics.median(rates), first
+class Pipeline:
+    """One configuration: `epoch()` yields one epoch's image batches (workers kept between)."""
+
+    def __init__(self, name: str, workers: int, epoch, close=lambda: None):
+        self.name, self.workers, self.epoch, self.close = name, workers, epoch, close
+        self.rates: list[float] = []
+        self.first = float("nan")
+
+    def run_epoch(self) -> None:
+        start, count = time.perf_counter(), 0
+        for images in self.epoch():
+            count += len(images)
+        self.rates.append(count / (time.perf_counter() - start))
 
 
-def jdp_rate(data: dict, workers: int) -> tuple[float, float]:
+def jdp_pipeline(data: dict, workers: int) -> Pipeline:
     import jax
 
     import jdp
@@ -111,55 +112,91 @@ def jdp_rate(data: dict, workers: int) -> tuple[float, float]:
     loader = jdp.data.Loader(jdp.data.ArraySource(data), BATCH, shuffle=True,
                              transform=Augment(), num_workers=workers, drop_last=True)
 
-    def batches():
+    def epoch():
         for batch in loader:
             yield jax.block_until_ready(batch["image"]).reshape(-1, CROP, CROP, 3)
 
-    try:
-        return _timed(batches)
-    finally:
-        loader.close()
+    return Pipeline("jdp Loader", workers, epoch, loader.close)
 
 
-def torch_rate(data: dict, workers: int) -> tuple[float, float]:
+def torch_pipeline(data: dict, workers: int) -> Pipeline:
     import torch
 
     torch.set_num_threads(1)
     loader = torch.utils.data.DataLoader(
         TorchJpegs(data), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers,
-        persistent_workers=workers > 0)  # torch default start method (fork): its best case
-    return _timed(lambda: (x for x, _ in loader))
+        persistent_workers=workers > 0)  # torch's default start method (fork): its best case
+    return Pipeline("torch DataLoader", workers, lambda: (x for x, _ in loader))
 
 
-def grain_rate(data: dict, workers: int) -> tuple[float, float]:
+def grain_pipeline(data: dict, workers: int) -> Pipeline:
+    import itertools
+
     import grain
     from absl import flags
 
     flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags, which a script never parses
     examples = [{k: v[i] for k, v in data.items()} for i in range(len(data["label"]))]
-    dataset = (grain.MapDataset.source(examples).shuffle(seed=0)
+    dataset = (grain.MapDataset.source(examples).shuffle(seed=0).repeat()
                .random_map(GrainDecode(), seed=0).batch(BATCH, drop_remainder=True))
-    iterable = dataset.to_iter_dataset()
-    if workers:
+    # No reading threads: "workers" are the only parallelism, as for jdp and torch, and
+    # nothing is read ahead while other pipelines are timed (the prefetch buffer is one batch).
+    iterable = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if workers:  # one iterator for all epochs: its workers start once
         iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    return _timed(lambda: (b["image"] for b in iterable))
+    batches = iter(iterable)
+    per_epoch = len(data["label"]) // BATCH
+    return Pipeline("grain MapDataset", workers,
+                    lambda: (b["image"] for b in itertools.islice(batches, per_epoch)))
 
 
-def main() -> None:
-    data = make_jpegs()
-    rows = [("jdp Loader", w, jdp_rate, data) for w in (0, 1, 2)]
-    rows += [("torch DataLoader", w, torch_rate, data) for w in (0, 2)]
-    rows += [("grain MapDataset", w, grain_rate, data) for w in (0, 2)]
-    print(f"Input pipeline: {NUM_IMAGES} JPEGs {SIZE}x{SIZE} -> decode, random crop {CROP}, "
-          f"flip; batch {BATCH}; {os.cpu_count()} CPU cores\n")
-    print("| pipeline | workers | images/s | first batch (s) |")
-    print("|---|---:|---:|---:|")
-    for name, workers, fn, source in rows:
+def build(make, data: dict, workers: int) -> Pipeline | str:
+    """The pipeline, warmed up by one epoch (its first-batch time recorded), or why not."""
+    try:
+        start = time.perf_counter()
+        pipeline = make(data, workers)
+        next(iter(pipeline.epoch()), None)
+        pipeline.first = time.perf_counter() - start
+        pipeline.run_epoch()
+        pipeline.rates.clear()
+        return pipeline
+    except ImportError as err:
+        return f"not installed ({err.name})"
+
+
+def _preimport() -> None:
+    """Import the libraries before timing, so no first-batch time holds an import."""
+    import importlib
+
+    for name in ("jax", "jdp", "torch", "grain"):
         try:
-            rate, first = fn(source, workers)
-            print(f"| {name} | {workers} | {rate:,.0f} | {first:.1f} |", flush=True)
-        except ImportError as err:
-            print(f"| {name} | {workers} | not installed ({err.name}) | |", flush=True)
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def main(rounds: int = 5) -> None:
+    _preimport()
+    data = make_jpegs()
+    configs = [(jdp_pipeline, w) for w in (0, 1, 2)] + [(torch_pipeline, w) for w in (0, 2)]
+    configs += [(grain_pipeline, w) for w in (0, 2)]
+    pipelines = [build(make, data, w) for make, w in configs]
+    live = [p for p in pipelines if isinstance(p, Pipeline)]
+    for _ in range(rounds):  # interleaved: each round times one epoch of every pipeline
+        for pipeline in live:
+            pipeline.run_epoch()
+    print(f"Input pipeline: {NUM_IMAGES} JPEGs {SIZE}x{SIZE} -> decode, random crop {CROP}, "
+          f"flip; batch {BATCH}; {os.cpu_count()} CPU cores; median of {rounds} interleaved "
+          "epochs (min-max)\n")
+    print("| pipeline | workers | images/s | min-max | first batch (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for (make, workers), p in zip(configs, pipelines):
+        if isinstance(p, str):
+            print(f"| {make.__name__.split('_')[0]} | {workers} | {p} | | |")
+            continue
+        print(f"| {p.name} | {workers} | {statistics.median(p.rates):,.0f} | "
+              f"{min(p.rates):,.0f}-{max(p.rates):,.0f} | {p.first:.1f} |")
+        p.close()
 
 
 if __name__ == "__main__":
