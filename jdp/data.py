@@ -2,10 +2,13 @@
 
 `DistributedSampler` splits the example indices of one epoch over the processes exactly as
 `torch.utils.data.DistributedSampler` does. `Loader` reads this process's examples a batch at a
-time, splits each batch over the local devices (`[local_devices, per_device, ...]`), adds
-`batch["mask"]` (False for padding) and puts batches on the devices ahead of use in a background
-thread. `ArraySource` holds in-memory examples as a dict of arrays (the fast path). The Loader's
-position (`epoch`, `step`) is resumable through `state_dict()`::
+time (in this process, or in `num_workers` worker processes), splits each batch over the local
+devices (`layout="pmap"`: `[local_devices, per_device, ...]`) or makes it this process's part of
+one global array (`layout="global"`), adds `batch["mask"]` (False for padding) and puts
+batches on the devices ahead of use in a background thread. `ArraySource` holds in-memory
+examples as a dict of arrays (the fast path). The Loader's position (`epoch`, `step`, and the
+global `offset` into the epoch) is resumable through `state_dict()`, also onto another number
+of processes::
 
     sampler = jdp.data.DistributedSampler(len(source), shuffle=True, seed=0)
     loader = jdp.data.Loader(source, batch_size=256, sampler=sampler)
@@ -19,6 +22,11 @@ start of the epoch's list so that every process gets the same number of examples
 padding), and (2) the rows that fill the last partial batch of an epoch up to `batch_size`.
 With both masked out, every example of the source counts exactly once per epoch over all
 processes, so evaluation over a whole split is exact (`jdp.eval_step` weights by the mask).
+
+Augmentation that replays: a transform with a parameter named `rng` gets one
+`numpy.random.Generator` per row, seeded by (sampler seed, epoch, example index), so an
+example's augmentation does not depend on the worker count, the process count or where a run
+resumed.
 """
 from __future__ import annotations
 
@@ -85,7 +93,10 @@ class Loader:
         shuffle: for the default sampler only (as torch's DataLoader `shuffle`).
         seed: for the default sampler only.
         transform: `transform(batch) -> batch` on host numpy arrays `[batch_size, ...]` (e.g.
-            normalise, cast); it sees padding rows too and must keep the leading axis.
+            normalise, cast); it sees padding rows too and must keep the leading axis. For
+            random augmentation declare a parameter named `rng`: `transform(batch, rng)` gets
+            `rng`, a list of `batch_size` numpy Generators, row j's seeded by `(sampler.seed,
+            epoch, index of row j's example)`; draw row j's randomness from `rng[j]` only.
         drop_last: drop the last partial batch of each epoch instead of padding it.
         prefetch: batches prepared and put on the devices ahead by a background thread; 0 reads
             in the consuming thread.
@@ -96,6 +107,11 @@ class Loader:
             each leaf one global `jax.Array` `[batch_size * process_count, ...]` sharded along
             `jdp.AXIS` over `jdp.mesh()` (`NamedSharding(mesh, P(AXIS))`), this process's rows
             on its own devices, `batch["mask"]` `[global_batch]`: what a jit/shard_map step takes.
+        num_workers: worker processes that read and transform (0: the prefetch thread does).
+            The batches are those of `num_workers=0`, in the same order. Workers are started
+            ('spawn') at the first iteration and kept until `close()`, garbage collection or
+            exit; the source and transform must be picklable (module-level functions and
+            classes), and a script must start under `if __name__ == "__main__":`.
 
     Example:
         >>> loader = Loader({"x": np.zeros((100, 3)), "y": np.arange(100)}, batch_size=16)

@@ -116,3 +116,17 @@ def test_bad_arguments_raise_one_line_errors_naming_value_and_fix(kwargs, error,
 def test_set_epoch_rejects_negative_epochs():
     with pytest.raises(ValueError, match="epoch=-1"):
         DistributedSampler(10).set_epoch(-1)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_order_is_the_list_every_rank_strides_over(shuffle):
+    samplers = [DistributedSampler(11, num_replicas=3, rank=r, shuffle=shuffle, seed=4)
+                for r in range(3)]
+    for s in samplers:
+        s.set_epoch(2)
+    order = samplers[0].order()
+    expected = np.random.default_rng(6).permutation(11) if shuffle else np.arange(11)
+    np.testing.assert_array_equal(order, expected)
+    padded = np.concatenate([order, order[:1]])  # 12 = 4 per rank
+    for r, s in enumerate(samplers):
+        np.testing.assert_array_equal(s.indices(), padded[r::3])
