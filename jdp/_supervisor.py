@@ -73,6 +73,7 @@ class Outcome(NamedTuple):
     timed_out: bool = False      # the run outlived its time limit and was stopped
     seconds: float = 0.0         # from the start to the failure, signal or deadline
     stall: tuple | None = None   # (every rank's RankProgress, rank -> stack dump): watchdog
+    stopped: bool = False        # stopped on request (the job-wide round ended elsewhere)
     killed: tuple = ()           # ranks still running at the end of a stop grace period
     codes: tuple = ()            # after a stop request: (rank, return code) of each rank
 
@@ -112,8 +113,8 @@ DEFAULT_LIMITS = Limits()
 """Short grace after failures, 30 s stop grace, no time limit, no watchdog."""
 
 
-def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DEFAULT_LIMITS
-        ) -> Outcome:
+def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DEFAULT_LIMITS,
+        stop: threading.Event | None = None) -> Outcome:
     """Start every rank, supervise them to the end, and leave no process behind.
 
     SIGINT and SIGTERM received meanwhile (main thread only) are forwarded to every rank.
@@ -122,6 +123,7 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
         specs: one RankSpec per rank.
         output: where the ranks' stdout/stderr go.
         limits: grace periods, the run's time limit and the progress timeout.
+        stop: when set (by another thread), stop every rank and return (Outcome.stopped).
 
     Returns:
         An Outcome: the first failed rank and its code, or the signal, deadline or stall that
@@ -139,7 +141,7 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
         watchdog = None if workdir is None else _watchdog.Watchdog(
             {r.spec.rank: _slot_path(workdir, r.spec.rank) for r in ranks},
             limits.progress_timeout_s)
-        outcome = _supervise(ranks, events, received, limits, watchdog, start)
+        outcome = _supervise(ranks, events, received, limits, watchdog, start, stop)
     finally:
         _stop(ranks, signal.SIGTERM, limits.grace_s)
         restore()
@@ -152,7 +154,8 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
 
 
 def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
-               watchdog: _watchdog.Watchdog | None, start: float) -> Outcome:
+               watchdog: _watchdog.Watchdog | None, start: float,
+               stop: threading.Event | None) -> Outcome:
     """The loop: wait for exits; on the first failure, signal, deadline or stall, stop all."""
     running = {r.spec.rank for r in ranks}
     by_rank = {r.spec.rank: r for r in ranks}
@@ -164,6 +167,9 @@ def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
         if deadline is not None and now > deadline:
             _stop(ranks, signal.SIGTERM, limits.grace_s)
             return Outcome(None, 0, [], timed_out=True, seconds=now - start)
+        if stop is not None and stop.is_set():
+            _stop(ranks, signal.SIGTERM, limits.grace_s)
+            return Outcome(None, 0, [], stopped=True, seconds=now - start)
         progress = watchdog.stalled(now) if watchdog is not None else None
         if progress is not None:
             return _stalled(ranks, progress, limits, now - start)

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from jdp import _env, _exit, _net, _supervisor, _watchdog
+from jdp import _env, _exit, _net, _nodes, _supervisor, _watchdog
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
 WHO = "jdp.launch"
@@ -79,9 +79,15 @@ stop requests (preemption):
   restart. SIGTERM sent to a single rank stops the whole job the same way; the launcher
   exits 0 when every rank then exits 0. SIGINT (Ctrl-C) is forwarded, SIGKILL after 3 s.
 
-restarts (--max_restarts K):
+restarts (--max_restarts K) and several nodes:
   After a failure every process is stopped and all are started again, up to K times, with
-  JDP_RESTART_COUNT set to the round. Each node's launcher restarts its own processes.
+  JDP_RESTART_COUNT set to the round. With --nnodes > 1, node 0's launcher keeps the rounds
+  for the whole job on --rdzv_port (default MASTER_PORT+1, on --master_addr; no other
+  service to run): a failure on any node stops the processes of every node at once, and
+  all nodes start round k together after a 1 s backoff. Every launcher prints the same
+  summary of the round's first failure (rank, node, exit code or signal, stderr tail); the
+  other ranks' messages stay in their logs. A launcher that vanishes counts as a failure of
+  its node; the next round waits (up to 300 s) for a launcher of that node to connect.
 
 compilation cache:
   The processes share JAX's persistent compilation cache, so a restarted process loads its
@@ -111,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master_port", "--master-port", type=int, default=None, metavar="P",
                    help="coordinator port on node 0; required with --nnodes > 1, chosen free\n"
                         "(and fresh for each restart) when left out on a single node")
+    p.add_argument("--rdzv_port", "--rdzv-port", type=int, default=None, metavar="P",
+                   help="with --nnodes > 1: port of node 0's launcher, which starts and\n"
+                        "restarts the rounds of every node (default MASTER_PORT+1)")
     p.add_argument("--logdir", "--log-dir", default=None, metavar="DIR",
                    help="also write each process's output to DIR/rank.K/{stdout,stderr}")
     p.add_argument("--redirect_stdout_and_stderr", action="store_true",
@@ -180,6 +189,10 @@ def _problem(args: argparse.Namespace) -> str | None:
     if not _net.resolves(args.master_addr):
         return (f"--master_addr {args.master_addr!r} does not resolve to an address; give the "
                 "IP address or host name of node 0")
+    if args.nnodes > 1 and args.rdzv_port is None:
+        args.rdzv_port = args.master_port + 1
+    if args.rdzv_port is not None and not 0 < args.rdzv_port < 65536:
+        return f"--rdzv_port {args.rdzv_port}: must be in 1..65535"
     return _script_problem(args) or _port_problem(args)
 
 
@@ -219,6 +232,8 @@ def _port_problem(args: argparse.Namespace) -> str | None:
     if args.node_rank != 0 or args.master_port is None:
         return None
     problem = _net.port_problem(args.master_addr, args.master_port, what="--master_port")
+    if problem is None and args.nnodes > 1:
+        problem = _net.port_problem(args.master_addr, args.rdzv_port, what="--rdzv_port")
     return problem.replace("MASTER_ADDR=", "--master_addr ") if problem else None
 
 
@@ -254,6 +269,8 @@ def launch(args: argparse.Namespace) -> int:
     limits = _supervisor.Limits(stop_grace_s=args.stop_grace,
                                 progress_timeout_s=args.progress_timeout)
     with _compilation_cache(args) as cache_env:
+        if args.nnodes > 1:
+            return _launch_nodes(args, limits, cache_env)
         for attempt in range(args.max_restarts + 1):
             port = args.master_port or _net.free_port(args.master_addr)
             output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
@@ -270,6 +287,85 @@ def launch(args: argparse.Namespace) -> int:
                 _say(f"{WHO}: restarting all processes (restart {attempt + 1} of "
                      f"{args.max_restarts}).")
     return EXIT_STALLED if outcome.stall else _exit.exit_status(outcome.returncode)
+
+
+def _launch_nodes(args: argparse.Namespace, limits: _supervisor.Limits, cache_env: dict) -> int:
+    """This node's part of a multi-node job: run the rounds node 0's keeper starts (_nodes)."""
+    keeper = (_nodes.Keeper(args.master_addr, args.rdzv_port, args.nnodes, args.max_restarts)
+              if args.node_rank == 0 else None)
+    link = None
+    try:
+        link = _nodes.Link(args.master_addr, args.rdzv_port, args.node_rank)
+        own_signal = None
+        while True:
+            message = link.next()
+            if message.get("failure"):
+                _say(_node_failure_report(message["failure"], args))
+            if "exit" in message:
+                return 128 + own_signal if own_signal else message["exit"]
+            r = message["start"]
+            if r > 0:
+                _say(f"{WHO}: restart round {r} of {args.max_restarts}: starting the processes "
+                     f"of all {args.nnodes} nodes again.")
+            output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
+                                        append=r > 0)
+            outcome = _supervisor.run(rank_specs(args, args.master_port, r, cache_env), output,
+                                      limits, stop=link.stop)
+            how, failure = _round_end(outcome, args)
+            if how == "signal":
+                own_signal = outcome.signal
+                _say(_stopped_message(outcome, args))
+            link.end(r, how, failure)
+    except TimeoutError as e:
+        _say(f"{WHO}: {e}")
+        return 1
+    finally:
+        if link is not None:
+            link.close()
+        if keeper is not None:
+            keeper.close()
+
+
+def _round_end(outcome: _supervisor.Outcome, args: argparse.Namespace) -> tuple:
+    """How this node's round ended ("ok", "failed", "stopped", "signal") and the failure."""
+    node = args.node_rank
+    if outcome.signal is not None:
+        return "signal", {"node": node, "signal": outcome.signal}
+    if outcome.stopped:
+        return "stopped", None
+    if outcome.stall is not None:
+        progress, stacks = outcome.stall
+        return "failed", {"node": node, "returncode": EXIT_STALLED, "seconds": outcome.seconds,
+                          "stall": _watchdog.report(WHO, progress, stacks,
+                                                    args.progress_timeout)}
+    if outcome.failed_rank is None:
+        return "ok", None
+    return "failed", {"node": node, "rank": outcome.failed_rank, "seconds": outcome.seconds,
+                      "returncode": outcome.returncode, "tail": list(outcome.tail)}
+
+
+def _node_failure_report(failure: dict, args: argparse.Namespace) -> str:
+    """The one summary every launcher prints about the first failure of a round."""
+    world = args.nnodes * args.nproc_per_node
+    if "error" in failure:
+        return f"{WHO}: {failure['error']}"
+    if failure.get("lost"):
+        return (f"{WHO}: lost the launcher of node {failure['node']} (its connection closed); "
+                f"stopped the processes of every node.")
+    if "signal" in failure:
+        return (f"{WHO}: node {failure['node']}'s launcher received "
+                f"{signal.Signals(failure['signal']).name}; every node stopped.")
+    if "stall" in failure:
+        return f"{failure['stall']}\n{WHO}: (on node {failure['node']}) stopped all {world} " \
+               "processes."
+    lines = [f"{WHO}: rank {failure['rank']} on node {failure['node']} failed with "
+             f"{_exit.describe_exit(failure['returncode'])} after {failure['seconds']:.1f} s; "
+             f"stopped all {world} processes on {args.nnodes} nodes."]
+    tail = failure.get("tail") or []
+    lines.append(f"{WHO}: last {len(tail)} line(s) of rank {failure['rank']}'s stderr:" if tail
+                 else f"{WHO}: rank {failure['rank']} wrote nothing to stderr.")
+    lines += [f"  {line}" for line in tail]
+    return "\n".join(lines)
 
 
 def _say(text: str) -> None:
