@@ -21,10 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
 
-from jdp._mesh import AXIS
-from jdp.state import unreplicate
+from jdp.state import STACKED, layout, unreplicate
 
 
 class Leaf(NamedTuple):
@@ -53,7 +51,7 @@ def leaves(state: Any, where: str) -> tuple[list[Leaf], bool]:
         raise ValueError(f"{where}: the state {type(state).__name__} has no array leaves, so "
                          "there is nothing to checkpoint; pass the train state (from "
                          "jdp.broadcast or jdp.replicate)")
-    stacked = _is_stacked([x for _, x in found])
+    stacked = _is_stacked(state, found, where)
     logical = {} if stacked else _padded_optimizer_leaves(state)
     out = []
     for p, x in found:
@@ -104,25 +102,19 @@ def crop(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return value[tuple(slice(0, n) for n in shape)]
 
 
-def _is_stacked(arrays: list) -> bool:
-    """Whether the state is in the stacked layout: every jax.Array one copy per local device.
-
-    Decided for the whole state, not per leaf: on one process a global leaf sharded along
-    `jdp.AXIS` (ZeRO) looks like a stacked one, but a global state also holds replicated
-    leaves (the parameters), so it never has all of its leaves stacked.
-    """
-    n = jax.local_device_count()
-    devices = [x for x in arrays if isinstance(x, jax.Array)]
-    return bool(devices) and all(_stacked_leaf(x, n) for x in devices) and all(
-        np.ndim(x) and x.shape[0] == n for x in arrays)
-
-
-def _stacked_leaf(x: jax.Array, n: int) -> bool:
-    if x.ndim == 0 or x.shape[0] != n or not x.is_fully_addressable:
+def _is_stacked(state: Any, found: list, where: str) -> bool:
+    """Whether `state` is in the stacked layout (jdp's own judgement, `jdp.state.layout`);
+    then every array leaf must carry one copy per local device."""
+    if layout(state) != STACKED:
         return False
-    if isinstance(x.sharding, NamedSharding):
-        return len(x.sharding.spec) > 0 and x.sharding.spec[0] == AXIS
-    return n == 1 or not x.sharding.is_fully_replicated
+    n = jax.local_device_count()
+    for path, x in found:
+        if np.ndim(x) == 0 or x.shape[0] != n:
+            raise ValueError(
+                f"{where}: the state is in the stacked layout (jdp.replicate) but leaf "
+                f"{'/'.join(_keys(path))} has shape {np.shape(x)}, not [{n}, ...]; pass the "
+                "whole state through jdp.replicate (or jdp.broadcast for the global layout)")
+    return True
 
 
 def saved_value(leaf: Leaf, stacked: bool) -> Any:

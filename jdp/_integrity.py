@@ -75,7 +75,7 @@ def from_error(error: BaseException, step_dir: str, what: str) -> Damaged:
     """A read failure of `what` in `step_dir` as Damaged naming the file, in one line."""
     text = " ".join(str(error).split())
     files = re.findall(re.escape(step_dir.rstrip("/")) + r"/([^\s'\"\]\),;:]+)", text)
-    where = files[0] if files else what
+    where = max(files, key=len).rstrip(".") if files else what  # the most specific file
     return Damaged(f"{where}: {type(error).__name__}: {text[:300]}")
 
 

@@ -160,3 +160,16 @@ def test_restore_from_an_empty_or_missing_directory_returns_the_state(tmp_path):
     given = state()
     assert Checkpointer(tmp_path / "missing").restore(given) is given
     assert not (tmp_path / "missing").exists()  # a reader creates nothing
+
+
+def test_a_stacked_state_with_a_leaf_that_is_not_stacked(ckpt):
+    mixed = {**state(), "x": np.ones(3, np.float32)}
+    with pytest.raises(ValueError) as info:
+        ckpt.save(6, mixed)
+    check(info, "leaf x has shape (3,)", "jdp.replicate")
+
+
+def test_async_save_that_is_not_a_bool(tmp_path):
+    with pytest.raises(TypeError) as info:
+        Checkpointer(tmp_path, async_save="yes")
+    check(info, "async_save='yes'")
