@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -41,10 +42,14 @@ def position_crc32(position: Any) -> int | None:
     return zlib.crc32(json.dumps(position, sort_keys=True).encode())
 
 
-def record(values: dict[str, np.ndarray], position: Any) -> dict:
-    """The integrity record of one checkpoint: {name: shape, dtype, crc32} + the loader's."""
+def record(values: Iterable[tuple[str, np.ndarray]], position: Any) -> dict:
+    """The integrity record of one checkpoint: {name: shape, dtype, crc32} + the loader's.
+
+    `values` may be a generator: each host value is dropped once summed, so a large state
+    never sits on the host whole just to be checksummed.
+    """
     arrays = {name: {"shape": list(v.shape), "dtype": str(v.dtype), "crc32": crc32(v)}
-              for name, v in values.items()}
+              for name, v in values}
     return {"format": FORMAT, "arrays": arrays, "loader_crc32": position_crc32(position)}
 
 

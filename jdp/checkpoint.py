@@ -146,8 +146,8 @@ class Checkpointer:
         found, stacked = tree.leaves(state, "Checkpointer.save")
         position = _loader_position(loader)
         values = {leaf.keys: tree.saved_value(leaf, stacked) for leaf in found}
-        record = _integrity.record({leaf.name: tree.crop(tree.host_value(values[leaf.keys]),
-                                                         leaf.shape) for leaf in found}, position)
+        record = _integrity.record(((leaf.name, tree.crop(tree.host_value(values[leaf.keys]),
+                                                          leaf.shape)) for leaf in found), position)
         self._agree("save", step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
