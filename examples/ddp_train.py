@@ -22,10 +22,10 @@ PAIRS = [
 
 
 def local_batch() -> dict:
-    """This process's examples: [local_devices, 2, ...], one pair per device."""
+    """This process's examples, one pair per local device: [2 * local_devices, ...]."""
     first = jax.process_index() * jax.local_device_count()
     pairs = [PAIRS[(first + d) % 2] for d in range(jax.local_device_count())]
-    return {"x": np.stack([p[0] for p in pairs]), "y": np.stack([p[1] for p in pairs])}
+    return {"x": np.concatenate([p[0] for p in pairs]), "y": np.concatenate([p[1] for p in pairs])}
 
 
 def loss_fn(params, batch):
@@ -37,14 +37,14 @@ def main(iterations: int = 500) -> None:
     jdp.initialize()
     state = jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((2, 1))},
                                   tx=optax.sgd(0.01))
-    state, batch = jdp.replicate(state), local_batch()
+    state = jdp.broadcast(state)                           # DDP(model): rank 0's w everywhere
+    batch = jdp.shard(local_batch(), layout="global")      # one global batch, 2 rows per device
     step = jdp.train_step(loss_fn)
     for i in range(iterations):
         state, metrics = step(state, batch)
         if i % 50 == 0:
-            print(f"rank {jax.process_index()}: iteration {i} loss "
-                  f"{float(jdp.unreplicate(metrics)['loss']):.6f}")
-    w = np.asarray(jdp.unreplicate(state).params["w"])
+            print(f"rank {jax.process_index()}: iteration {i} loss {float(metrics['loss']):.6f}")
+    w = np.asarray(state.params["w"])
     print(f"rank {jax.process_index()}: final w = {w.tolist()}")
 
 

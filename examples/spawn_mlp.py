@@ -1,10 +1,10 @@
-"""The Fashion-MNIST MLP of the seed tutorial, started with `jdp.spawn` over 2 processes.
+"""A Fashion-MNIST-style MLP, started with `jdp.spawn` over 2 processes.
 
 What PyTorch users write as `mp.spawn(main, args=(world_size,), nprocs=world_size)`: each
 process runs `main(rank, ...)` with `jdp.initialize()` already done. 784→200→200→10 with
 sigmoid activations and log-softmax, Adam lr 0.01, 100 examples per process per step.
 
-    python examples/spawn_mlp.py                          # built-in digits, 2 processes
+    python examples/spawn_mlp.py                          # real MNIST digits (mnist5k), 2 processes
     python examples/spawn_mlp.py --dataset fashion_mnist --data-dir ~/tfds
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jdp
 
 
 class MLP(nn.Module):
-    """784 → 200 → 200 → 10, sigmoid hidden layers, log-softmax output (as the tutorial)."""
+    """784 → 200 → 200 → 10, sigmoid hidden layers, log-softmax output."""
 
     @nn.compact
     def __call__(self, x):
@@ -41,9 +41,10 @@ def main(rank: int, args: argparse.Namespace) -> None:
     """One process's training loop; `rank` is this process's index, as in `mp.spawn`."""
     source = jdp.datasets.load(args.dataset, "train", data_dir=args.data_dir)
     sampler = jdp.data.DistributedSampler(len(source), shuffle=True, seed=args.seed)
-    loader = jdp.data.Loader(source, args.batch_size, sampler=sampler, drop_last=True)
+    loader = jdp.data.Loader(source, args.batch_size, sampler=sampler, drop_last=True,
+                             layout="global")
     params = MLP().init(jax.random.key(args.seed), np.zeros((1, 28, 28, 1), np.uint8))["params"]
-    state = jdp.replicate(jdp.TrainState.create(apply_fn=None, params=params,
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params,
                                                 tx=optax.adam(args.lr)))
     step = jdp.train_step(nll_loss)
     for epoch in range(args.epochs):
@@ -52,7 +53,7 @@ def main(rank: int, args: argparse.Namespace) -> None:
         for batch in loader:
             state, metrics = step(state, batch)
             losses.append(metrics["loss"])
-        losses = [float(np.asarray(x)[0]) for x in losses]
+        losses = [float(x) for x in losses]
         if rank == 0:
             print(f"epoch {epoch}: mean loss {np.mean(losses):.4f} (first batch {losses[0]:.4f}, "
                   f"last batch {losses[-1]:.4f})", flush=True)
@@ -60,7 +61,8 @@ def main(rank: int, args: argparse.Namespace) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dataset", default="digits", choices=["digits", "mnist", "fashion_mnist"])
+    p.add_argument("--dataset", default="mnist5k",
+                   choices=["mnist5k", "digits", "mnist", "fashion_mnist"])
     p.add_argument("--data-dir", default=None)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=100, help="per process")

@@ -102,7 +102,7 @@ def _global_batch(leaves: list, accum_steps: int) -> None:
     size = first = None
     for path, x in leaves:
         shape = jnp.shape(x)
-        if _state.layout_of_leaf(x) == _state.STACKED and jax.device_count() > 1:
+        if _state.is_stacked_placement(x):
             raise ValueError(f"batch leaf {name(path)} is in the pmap layout [local_devices, "
                              "...] but the state is global: use Loader(..., layout='global') or "
                              "jdp.shard(batch, layout='global')")

@@ -18,14 +18,20 @@ AXIS = "batch"
 `nn.BatchNorm(axis_name=jdp.AXIS)`)."""
 
 
+LOCAL_AXIS = "local_devices"
+"""Axis name of the stacked layout's placement: it tells a stacked leaf from a global one."""
+
+
 def local_sharding(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
     """Sharding that puts slice i of an array's leading axis on device i of `devices`.
 
     The default is pmap's order (`jax.local_devices()`), so arrays placed with it enter a
-    pmapped step without a copy.
+    pmapped step without a copy. Its axis is `LOCAL_AXIS`, not `AXIS`: on one process a
+    stacked `[8, b]` array and a global batch of 8 rows have the same devices and shape, and
+    only the name says which layout it is in.
     """
     devices = jax.local_devices() if devices is None else list(devices)
-    return NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+    return NamedSharding(Mesh(np.array(devices), (LOCAL_AXIS,)), PartitionSpec(LOCAL_AXIS))
 
 
 @functools.cache

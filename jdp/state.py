@@ -183,16 +183,29 @@ def shard(tree: Any, *, layout: str = STACKED) -> Any:
 
 
 def layout_of_leaf(x: Any) -> str | None:
-    """GLOBAL for a leaf placed on `jdp.mesh()` (replicated or sharded by ZeRO), STACKED for a
-    `[local_devices, ...]` leaf placed by `replicate`, None for anything else."""
+    """GLOBAL for a leaf placed on `jdp.mesh()` (replicated, or sharded by ZeRO or as a batch),
+    STACKED for a `[local_devices, ...]` leaf (placed by `replicate`, the pmap-layout Loader,
+    or returned by pmap), None for anything else."""
     sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
+    if not isinstance(sharding, NamedSharding) or not x.ndim and sharding.spec:
         return None
-    if sharding.mesh == _mesh.mesh() and (
-            sharding.spec == PartitionSpec() or x.ndim == 0 or sharding.spec[0] is None
-            or x.shape[0] != jax.local_device_count() or jax.process_count() > 1):
-        return GLOBAL
-    return STACKED
+    if sharding.spec and sharding.spec[0] == _mesh.LOCAL_AXIS:
+        return STACKED
+    if sharding.mesh != _mesh.mesh():
+        return STACKED if x.ndim and x.shape[0] == jax.local_device_count() else None
+    # pmap's outputs on one process sit on this very mesh, split along AXIS; global leaves of
+    # a state never are (the state is replicated, ZeRO shards only the optimizer state).
+    pmap_output = (sharding.spec and sharding.spec[0] == _mesh.AXIS and jax.process_count() == 1
+                   and x.shape[0] == jax.local_device_count())
+    return STACKED if pmap_output else GLOBAL
+
+
+def is_stacked_placement(x: Any) -> bool:
+    """Was `x` placed for the pmap layout (`replicate`, the pmap Loader, another process's
+    local mesh)? Unlike `layout_of_leaf`, a global batch split along AXIS is never stacked."""
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and bool(x.ndim) and (
+        sharding.spec[:1] == (_mesh.LOCAL_AXIS,) or sharding.mesh != _mesh.mesh())
 
 
 def layout(state: Any) -> str | None:

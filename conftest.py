@@ -1,0 +1,23 @@
+"""Root pytest set-up shared by the tests and the docstring examples (`--doctest-modules jdp`):
+8 simulated CPU devices, fixed before jax is imported, and the names the examples use."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _doctest_names(doctest_namespace):
+    """`jdp`, `jax`, `jnp`, `np` and `optax` in every docstring example, as a user imports them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jdp
+
+    doctest_namespace.update(jdp=jdp, jax=jax, jnp=jnp, np=np, optax=optax)
