@@ -84,14 +84,14 @@ class Pool:
             for i in range(len(self._procs)):
                 while self._owed[i]:
                     self._next_result(i, None, None, cancel)
-            for conn in self._conns:
-                _send(conn, ("plan", plan))
+            for i in range(len(self._procs)):
+                self._ask(i, ("plan", plan))
             to_send, k = iter(items), len(self._procs)
 
         def get(b: int) -> dict:
             with self._lock:
                 for nxt in to_send:  # keep `ahead` batches requested beyond b
-                    _send(self._conns[nxt % k], ("batch", nxt))
+                    self._ask(nxt % k, ("batch", nxt))
                     self._owed[nxt % k] += 1
                     if nxt >= b + ahead:
                         break
@@ -102,6 +102,14 @@ class Pool:
             return payload
 
         return get
+
+    def _ask(self, i: int, message: tuple) -> None:
+        """Send worker i a message; a closed pipe means the worker died."""
+        try:
+            _send(self._conns[i], message)
+        except (OSError, ValueError):
+            self.broken = True
+            raise _died(i, self._procs[i], None, None) from None
 
     def _next_result(self, i: int, b: int | None, plan: _batches.EpochPlan | None,
                      cancel: threading.Event) -> tuple:
