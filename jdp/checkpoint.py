@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jdp import _checkpoint_orbax as orbax_setup
+from jdp import _checkpoint_orbax as disk
 from jdp import _checkpoint_tree as tree
 from jdp import _integrity, _progress
 from jdp._checkpoint_orbax import INTEGRITY, LOADER, STATE
@@ -104,13 +104,13 @@ class Checkpointer:
         self.timeout_s = float(timeout_s)
         self._key = f"jdp.checkpoint:{self.directory}"
         self._manager = ocp.CheckpointManager(
-            self.directory, options=orbax_setup.manager_options(max_to_keep, async_save),
-            handler_registry=orbax_setup.registry())
+            self.directory, options=disk.manager_options(max_to_keep, async_save),
+            handler_registry=disk.registry())
         self._async, self._closed = async_save, False
         if async_save:
             # Private: Python's only exit hook that runs before concurrent.futures stops taking
             # work (which orbax's writer needs); atexit runs after that, too late. No public API.
-            threading._register_atexit(self._finish_at_exit)
+            threading._register_atexit(self._finish_at_exit)  # private: no public API
 
     def save(self, step: int, state: Any, loader: Any = None) -> None:
         """Write `state`'s logical copy (and `loader`'s position) as checkpoint `step`.
@@ -225,7 +225,7 @@ class Checkpointer:
         orbax has renamed its finished directory into place, with its commit marker.
         """
         self._wait()
-        return orbax_setup.complete_steps(self._root)
+        return disk.complete_steps(self._root)
 
     def close(self) -> None:
         """Finish a background save (raising if it failed) and release orbax's resources."""
@@ -352,12 +352,12 @@ class Checkpointer:
                              f"{self.directory!r} ({e.strerror or e}); pass a writable "
                              "directory path") from None
         if jax.process_index() == 0:
-            orbax_setup.remove_leftovers(self._root)
+            disk.remove_leftovers(self._root)
         self._manager.reload()  # max_to_keep counts the steps on disk, not in memory
 
     def _empty_trash(self) -> None:
         if jax.process_index() == 0:
-            orbax_setup.empty_trash(self._root)
+            disk.empty_trash(self._root)
 
     def _agree(self, what: str, step: int | None) -> None:
         """Raise on every process unless all processes chose the same `step`."""
