@@ -56,9 +56,16 @@ def record(values: Iterable[tuple[str, np.ndarray]], position: Any) -> dict:
 def checked_record(data: Any) -> dict:
     """`data` if it is a well-formed record; Damaged otherwise."""
     if not (isinstance(data, dict) and data.get("format") == FORMAT
-            and isinstance(data.get("arrays"), dict) and "loader_crc32" in data):
+            and isinstance(data.get("arrays"), dict) and "loader_crc32" in data
+            and all(_entry_ok(e) for e in data["arrays"].values())):
         raise Damaged(f"{RECORD_FILE}: not a jdp integrity record (format {FORMAT})")
     return data
+
+
+def _entry_ok(entry: Any) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+            and all(isinstance(n, int) for n in entry["shape"])
+            and isinstance(entry.get("dtype"), str) and isinstance(entry.get("crc32"), int))
 
 
 def verify(name: str, value: np.ndarray, entry: dict) -> None:

@@ -270,12 +270,7 @@ class Checkpointer:
                 except Damaged as e:
                     vanished = step not in self.all_steps()  # max_to_keep removed it
                     if asked is not None:
-                        reason = "was deleted while being read" if vanished else \
-                            f"is damaged: {e}"
-                        raise CorruptCheckpointError(
-                            f"Checkpointer.restore: checkpoint {step} in {self.directory} "
-                            f"{reason}. Restore another step (step=None picks the newest "
-                            "intact one)") from None
+                        raise self._unreadable(step, e, vanished) from None
                     if vanished:
                         break  # list again: newer steps may have appeared meanwhile
                     damaged[step] = str(e)
@@ -295,6 +290,13 @@ class Checkpointer:
             f"Checkpointer.restore: no intact checkpoint in {self.directory}: "
             f"{'; '.join(f'{s}: {e}' for s, e in damaged.items())}. Restore from a copy, or "
             "start afresh in a new directory")
+
+    def _unreadable(self, step: int, error: Damaged, vanished: bool) -> CorruptCheckpointError:
+        """The error for a checkpoint that the user asked for by step and that failed."""
+        reason = "was deleted while being read" if vanished else f"is damaged: {error}"
+        return CorruptCheckpointError(
+            f"Checkpointer.restore: checkpoint {step} in {self.directory} {reason}. Restore "
+            "another step (step=None picks the newest intact one)")
 
     def _read(self, step: int, found: list, stacked: bool, loader: Any) -> tuple[list, Any]:
         """Checkpoint `step`'s values in `found` order and loader position, verified."""

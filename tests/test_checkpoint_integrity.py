@@ -120,3 +120,12 @@ def test_a_damaged_loader_position_is_found(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="loader position"):
         ckpt.restore(state(0), loader=fresh, step=1)
     assert (fresh.epoch, fresh.step) == (0, 0)
+
+
+def test_a_mangled_integrity_record_is_damage_not_a_crash(tmp_path):
+    ckpt = saved_twice(tmp_path)
+    path = tmp_path / "2" / "integrity" / "metadata"
+    path.write_text(path.read_text().replace('"shape"', '"shap"'))
+    restored, warned = fallback_restore(ckpt)
+    assert_equal_to(restored, 1)
+    assert len(warned) == 1 and "integrity/metadata: not a jdp integrity record" in warned[0]
