@@ -62,7 +62,8 @@ class Augment:
     """jdp transform: the batch's JPEG rows -> images, each with its own generator."""
 
     def __call__(self, batch: dict, rng: list) -> dict:
-        images = [decode_crop_flip(r, n, g) for r, n, g in zip(batch["jpeg"], batch["size"], rng)]
+        images = [decode_crop_flip(r, n, g)
+                  for r, n, g in zip(batch["jpeg"], batch["size"], rng, strict=True)]
         return {"image": np.stack(images), "label": batch["label"]}
 
 
@@ -190,7 +191,7 @@ def main(rounds: int = 5) -> None:
           "epochs (min-max)\n")
     print("| pipeline | workers | images/s | min-max | first batch (s) |")
     print("|---|---:|---:|---:|---:|")
-    for (make, workers), p in zip(configs, pipelines):
+    for (make, workers), p in zip(configs, pipelines, strict=True):
         if isinstance(p, str):
             print(f"| {make.__name__.split('_')[0]} | {workers} | {p} | | |")
             continue

@@ -146,7 +146,8 @@ def _takes_one_argument(getitems: Any) -> bool:
 
     tfds.testing.mock_data installs a `functools.partial` of a function of (self, keys) as an
     instance attribute of the data source that tfds's DataSource wraps, which cannot take the
-    keys alone; such a source is read one example at a time. A real `__getitems__` is called, and its errors are raised, never swallowed.
+    keys alone; such a source is read one example at a time. A real `__getitems__` is called,
+    and its errors are raised, never swallowed.
     """
     if getitems is None or not callable(getitems):
         return False

@@ -1,7 +1,7 @@
 """Parity run, PyTorch side: the same CNN with DistributedDataParallel (gloo), torch's own
 DistributedSampler and DataLoader.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/_parity_torch.py DATA.npz OUT.json STEPS
+    python -m torch.distributed.run --nproc_per_node 2 tests/_parity_torch.py DATA OUT STEPS
 
 Same examples, same initial weights (DATA.npz, NHWC/HWIO as jdp uses, transposed here), same
 order (unshuffled DistributedSampler), same SGD; writes the global loss of each step (rank 0).

@@ -28,7 +28,7 @@ def run(ranks, steps=None):
     """The ranks step together; the real example ids each consumed, up to `steps` batches."""
     seen = []
     iterators = [iter(r) for r in ranks]
-    for step, batches in enumerate(zip(*iterators)):
+    for step, batches in enumerate(zip(*iterators)):  # noqa: B905 -- ranks end together
         for b in batches:
             seen += real_ids(b)
         if steps is not None and step + 1 == steps:
@@ -139,7 +139,8 @@ def test_an_example_gets_the_same_augmentation_on_any_world_size_and_after_an_el
             for b in r:
                 real = np.asarray(b["mask"]).reshape(-1)
                 ids = np.asarray(b["id"]).reshape(-1)[real]
-                values.update(zip(ids.tolist(), np.asarray(b["x"]).reshape(-1)[real].tolist()))
+                values.update(zip(ids.tolist(), np.asarray(b["x"]).reshape(-1)[real].tolist(),
+                                  strict=True))
                 if steps is not None and r.step == steps:
                     break
         return values, ranks[0]

