@@ -33,10 +33,17 @@ class Cancelled(Exception):
     """A newer pass started (or the pool closed) while this one waited for a batch."""
 
 
-def pickled_recipe(recipe: _batches.Recipe, num_workers: int) -> bytes:
-    """The recipe as bytes for the workers; a clear TypeError when it cannot be pickled."""
+class _Discard:
+    """A file that forgets what is written: checks picklability without holding a copy."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def check_picklable(recipe: _batches.Recipe, num_workers: int) -> None:
+    """A clear TypeError now, at construction, when the workers could not receive `recipe`."""
     try:
-        return pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(recipe, _Discard(), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as err:  # noqa: BLE001 -- pickle raises several types
         what = "transform" if _picklable(recipe.read) else "source"
         raise TypeError(f"Loader: num_workers={num_workers} needs a picklable source and "
@@ -56,7 +63,8 @@ def _picklable(value: Any) -> bool:
 class Pool:
     """k spawned workers building host batches; one pass (epoch iteration) at a time."""
 
-    def __init__(self, recipe: bytes, num_workers: int):
+    def __init__(self, recipe: _batches.Recipe, num_workers: int):
+        recipe = pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
         ctx = multiprocessing.get_context("spawn")
         self._conns, self._procs = [], []
         for i in range(num_workers):

@@ -139,8 +139,8 @@ class Loader:
         self.timeout = timeout
         _loader_checks.loader_args(self, num_examples)
         self._recipe = _batches.Recipe(read, transform, _batches.wants_rng(transform))
-        self._pickled = (_workers.pickled_recipe(self._recipe, self.num_workers)
-                         if self.num_workers else b"")
+        if self.num_workers:
+            _workers.check_picklable(self._recipe, self.num_workers)
         self._place = _placer(self.layout, devices)
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
@@ -211,7 +211,7 @@ class Loader:
         if self._pool is not None and self._pool.broken:
             self._stop_workers()
         if self._pool is None:
-            self._pool = _workers.Pool(self._pickled, self.num_workers)
+            self._pool = _workers.Pool(self._recipe, self.num_workers)
             self._stop_pool = weakref.finalize(self, self._pool.close)
         return self._pool.start_pass(plan, items, ahead=2 * self.num_workers)
 
