@@ -36,8 +36,8 @@ class Cancelled(Exception):
 class _Discard:
     """A file that forgets what is written: checks picklability without holding a copy."""
 
-    def write(self, data: bytes) -> int:
-        return len(data)
+    def write(self, data) -> int:  # bytes, or a PickleBuffer for a large array
+        return memoryview(data).nbytes
 
 
 def check_picklable(recipe: _batches.Recipe, num_workers: int) -> None:

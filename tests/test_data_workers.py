@@ -201,3 +201,9 @@ def test_workers_of_a_killed_parent_exit_on_their_own(tmp_path):
         parent.wait(timeout=10)
         parent.stdout.close()
     assert wait_dead(pids, timeout=10) == []
+
+
+def test_a_large_in_memory_source_passes_the_picklability_check_without_starting_workers():
+    big = {"x": np.zeros((1000, 1000), np.float32), "id": np.arange(1000)}  # 4 MB: out-of-band
+    loader = Loader(big, BATCH, num_workers=2)
+    assert loader._pool is None  # workers start at the first iteration
