@@ -133,8 +133,9 @@ class Checkpointer:
             TimeoutError: another process did not reach the save within `timeout_s`.
 
         Example:
-            >>> import tempfile, numpy as np, jdp
-            >>> loader = jdp.data.Loader({"x": np.arange(8, dtype=np.float32)}, batch_size=4)
+            >>> import tempfile, jax, numpy as np, jdp
+            >>> n = jax.local_device_count()   # the batch is split over the local devices
+            >>> loader = jdp.data.Loader({"x": np.arange(4 * n, dtype=np.float32)}, 2 * n)
             >>> with tempfile.TemporaryDirectory() as directory:
             ...     batch = next(iter(loader))
             ...     jdp.checkpoint.Checkpointer(directory).save(
