@@ -20,8 +20,9 @@ _CALLS = re.compile(r"calls=%([\w.-]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.-]+)\s.*\{\s*$")
 _MARKS = (("all-reduce", (" all-reduce(", " all-reduce-start(")),
           ("convolution", (" convolution(",)), ("matmul", (" dot(",)),
-          ("select-and-scatter", (" select-and-scatter(",)),
-          ("reduction", (" reduce(", " reduce-window(", " scatter(")),
+          ("pooling (reduce-window, scatter)",
+           (" reduce-window(", " select-and-scatter(", " scatter(")),
+          ("reduction", (" reduce(",)),
           ("copy", (" copy(", " transpose(")))
 KINDS = (*(kind for kind, _ in _MARKS), "elementwise")
 

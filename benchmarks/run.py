@@ -42,6 +42,15 @@ FULL = Settings(7, 1.0, 200, True, True, 50_000_000, (1, 2, 4, 8))
 QUICK = Settings(5, 0.25, 50, False, False, 3_000_000, (1, 2, 4, 8))
 
 
+def selected(name: str, make):
+    """`make` as a table that `--only` leaves out unless it names `name`."""
+    def table(r: dict) -> str:
+        return make(r) if name in r.get("only") or not r.get("only") else \
+            f"Not measured: `--only` did not name `{name}`.\n"
+    table.__doc__ = make.__doc__
+    return table
+
+
 def input_pipeline(r: dict) -> str:
     """The input-pipeline table: `benchmarks/bench_input.py`'s `table() -> str`, if there."""
     try:
@@ -67,8 +76,8 @@ TABLES = [
     ("6. All-reduce traffic per step (compiled HLO)", report.all_reduce),
     ("7. Where the time goes: op time by kind (jax.profiler trace, 5 steps)", report.op_time),
     ("8. Global layout against the pmap layout", report.layouts),
-    ("9. Optimizer-state sharding (ZeRO-1): memory, traffic, time", zero.table),
-    ("10. Input pipeline", input_pipeline),
+    ("9. Optimizer-state sharding (ZeRO-1): memory, traffic, time", selected("zero", zero.table)),
+    ("10. Input pipeline", selected("input", input_pipeline)),
 ]
 
 
@@ -134,7 +143,7 @@ def run(settings: Settings, only: list[str]) -> dict:
     """Start the jobs (all, or those named in `only`), measure, stop them: the results."""
     notes = [] if HAS_TORCH else [
         "torch is not installed: no PyTorch DDP rows (pip install torch==2.13.0, CPU build)"]
-    r = {"settings": settings._asdict(), "generated": time.strftime("%Y-%m-%d %H:%M"),
+    r = {"settings": settings._asdict(), "generated": time.strftime("%Y-%m-%d %H:%M"), "only": only,
          "load_before": os.getloadavg(), "notes": notes, "started": time.time()}
     shown = ("XLA_FLAGS", "OMP_NUM_THREADS", "JDP_MALLOC_TUNING", *jobs.MALLOC_ENV)
     with tempfile.TemporaryDirectory(prefix="jdp-bench-") as root:
@@ -175,7 +184,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~3 minutes)")
-    p.add_argument("--only", default="", help="comma-separated job names (default: all)")
+    p.add_argument("--only", default="", help="comma-separated job names, and `zero` or "
+                   "`input` for those tables (default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])
     r["command"] = " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])])
