@@ -12,6 +12,8 @@ with gradients averaged by `lax.pmean`::
 """
 from jdp import checkpoint, data, datasets
 from jdp._log import get_logger, print0
+from jdp._mesh import mesh
+from jdp._progress import preempted
 from jdp.checkpoint import Checkpointer
 from jdp.data import DistributedSampler, Loader
 from jdp.distributed import (
@@ -24,8 +26,6 @@ from jdp.distributed import (
     shutdown,
 )
 from jdp.spawn import ProcessExitedException, ProcessRaisedException, spawn
-from jdp._mesh import mesh
-from jdp._progress import preempted
 from jdp.state import TrainState, broadcast, replicate, shard, unreplicate
 from jdp.step import AXIS, eval_step, reduce_gradients, train_step
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax.training import train_state
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jdp import _mesh, _zero
 from jdp.distributed import broadcast_from_primary
