@@ -23,7 +23,7 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-NUM_IMAGES, SIZE, CROP, BATCH = 512, 128, 112, 32
+NUM_IMAGES, SIZE, CROP, BATCH = 1024, 128, 112, 32
 
 
 def make_jpegs(n: int = NUM_IMAGES, seed: int = 0) -> dict[str, np.ndarray]:
