@@ -61,7 +61,7 @@ def _ms_per_step(b: dict, steps: int) -> float:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-def measure(params: int, steps: int = 3, rounds: int = 2) -> dict:
+def measure(params: int, steps: int = 2, rounds: int = 2) -> dict:
     """Both modes' figures on this process's devices; a "note" says what could not run."""
     if not hasattr(jdp, "broadcast"):
         return {"note": "this jdp has no `jdp.broadcast`"}
