@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(PY) examples/mnist.py --dataset digits --output-dir runs/demo
+	$(PY) examples/mnist.py --output-dir runs/demo
 
 test: install
 	$(PY) -m pytest -q
