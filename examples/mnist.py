@@ -35,7 +35,8 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
     """2x2 max pooling with stride 2 as reshape + max.
 
     Same values as `nn.max_pool(x, (2, 2), (2, 2))`, but its gradient is a cheap elementwise
-    select instead of XLA's select-and-scatter, about a third of the step on CPU (PERF_NOTES).
+    select instead of XLA's select-and-scatter, which costs about a third of the step on CPU
+    (BENCHMARKS.md).
     """
     b, h, w, c = x.shape
     return x[:, : h // 2 * 2, : w // 2 * 2].reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
