@@ -3,9 +3,10 @@
 Worker i builds batches b with b % k == i, in the order asked, and answers on its own pipe, so
 the consumer reads batch b from worker b % k and the batches come out in order with no
 reordering buffer: the output is the one `num_workers=0` gives. Workers are started once per
-Loader (the 'spawn' start method: JAX is not fork-safe), get the `Recipe` (source and
-transform) once, and per pass over an epoch its `EpochPlan`; a new pass first collects the
-results an abandoned one (a `break`) still owes, so pipes never hold stale batches.
+Loader (forked by a 'forkserver', never from the training process: JAX is not fork-safe), get
+the `Recipe` (source and transform) once, and per pass over an epoch its `EpochPlan`; a new
+pass first collects the results an abandoned one (a `break`) still owes, so pipes never hold
+stale batches.
 
 Every exit path ends the workers: `close()` (the Loader's `close()`, or the Loader being
 garbage-collected, or interpreter exit) asks them to stop, then terminates and kills; a worker
@@ -65,7 +66,7 @@ class Pool:
 
     def __init__(self, recipe: _batches.Recipe, num_workers: int):
         recipe = pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
         self._conns, self._procs = [], []
         for i in range(num_workers):
             mine, theirs = ctx.Pipe()
@@ -162,6 +163,20 @@ class Pool:
         return [p.pid for p in self._procs]
 
 
+def _context():
+    """'forkserver' with this module preloaded: workers fork from a fresh server process.
+
+    JAX is not fork-safe once it has started, so workers never fork from the training
+    process: the server is a new interpreter that has only imported jdp (no JAX backend
+    started) and forks each worker in milliseconds, so only the first pool pays the imports
+    (a 'spawn' pool would pay them in every worker, every time). Workers inherit the server's
+    environment, taken when the first pool starts.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def _send(conn, message: tuple) -> None:
     """Pickle `message` with its arrays' memory sent as raw frames after it (no extra copy)."""
     buffers: list = []
@@ -202,7 +217,7 @@ def _work(conn, recipe_bytes: bytes, parent: int) -> None:
     while True:
         try:
             if not conn.poll(1.0):
-                if os.getppid() != parent:
+                if not _alive(parent):  # its pipe's EOF says so too; this is the backstop
                     return
                 continue
             message = _recv(conn)
@@ -222,6 +237,17 @@ def _work(conn, recipe_bytes: bytes, parent: int) -> None:
             _send(conn, reply)
         except (OSError, ValueError):
             return
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (the Loader's process, not the forkserver parent) still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _portable(err: Exception) -> Exception:

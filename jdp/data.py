@@ -109,9 +109,10 @@ class Loader:
             on its own devices, `batch["mask"]` `[global_batch]`: what a jit/shard_map step takes.
         num_workers: worker processes that read and transform (0: the prefetch thread does).
             The batches are those of `num_workers=0`, in the same order. Workers are started
-            ('spawn') at the first iteration and kept until `close()`, garbage collection or
-            exit; the source and transform must be picklable (module-level functions and
-            classes), and a script must start under `if __name__ == "__main__":`.
+            at the first iteration (by a 'forkserver', never forked from this process) and
+            kept until `close()`, garbage collection or exit; the source and transform must be
+            picklable (module-level functions and classes), and a script must start under
+            `if __name__ == "__main__":`.
 
     Example:
         >>> loader = Loader({"x": np.zeros((100, 3)), "y": np.arange(100)}, batch_size=16)
