@@ -62,7 +62,7 @@ def _picklable(value: Any) -> bool:
 
 
 class Pool:
-    """k spawned workers building host batches; one pass (epoch iteration) at a time."""
+    """k worker processes building host batches; one pass (epoch iteration) at a time."""
 
     def __init__(self, recipe: _batches.Recipe, num_workers: int):
         recipe = pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
