@@ -56,3 +56,44 @@ def test_a_failing_rank_ends_an_mpirun_job_with_its_code(tmp_path, tag, mode, co
     assert done.returncode == code, done.stdout + done.stderr[-3000:]
     assert ended - left < 10
     assert wait_until_gone(tag, timeout=5.0) < 5.0
+
+
+LOOP = """
+import time
+import jax, numpy as np
+import jdp
+from jdp import _progress
+
+jdp.initialize()
+psum = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
+n = jax.local_device_count()
+for step in range(1, 10**6):
+    flag = np.full(n, float(_progress.stop_flag()), np.float32)
+    _progress.set_agreed(float(psum(flag)[0]) > 0)      # what train_step does, in its pmean
+    if _progress.preempted():
+        print(f"SAVED rank {jax.process_index()} step {step}", flush=True)
+        break
+    if step == 3:
+        print("ready", flush=True)
+    time.sleep(0.02)
+"""
+
+
+def test_sigterm_to_mpirun_stops_every_rank_at_one_step(tmp_path, tag):
+    """mpirun passes SIGTERM on to its ranks; they agree on the step as under jdp.launch."""
+    script = write_script(tmp_path, "loop.py", LOOP)
+    out = tmp_path / "out.txt"
+    env = child_env(JDP_TEST_TAG=tag)
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "JAX_PLATFORMS",
+           "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG", "-x", "XLA_FLAGS", sys.executable, script]
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while out.read_text().count("ready") < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, out.read_text()
+            time.sleep(0.1)
+        proc.terminate()
+        proc.wait(timeout=60)
+    saved = [line.split("step ")[1] for line in out.read_text().splitlines() if "SAVED" in line]
+    assert len(saved) == 2 and saved[0] == saved[1], out.read_text()
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
