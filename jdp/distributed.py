@@ -25,7 +25,7 @@ import numpy as np
 # Private, for want of a public API: JAX exposes no handle on the coordination-service client
 # of `jax.distributed` (wanted: its timed `wait_at_barrier`; multihost_utils.sync_global_devices
 # is a device collective with no timeout) nor the coordinator address a job was started with.
-from jax._src import distributed as _jax_distributed
+from jax._src import distributed as _jax_distributed  # no public API: see above
 from jax.experimental import multihost_utils
 
 from jdp import _exit, _malloc, _net, _rendezvous

@@ -311,3 +311,22 @@ def test_children_get_the_allocator_settings_unless_turned_off():
         "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_ARENA_MAX": "1"}
     assert env_of({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"   # the user's choice wins
     assert not set(_malloc.ENV) & set(env_of({"JDP_MALLOC_TUNING": "0"}))
+
+
+def test_gloo_connection_lines_stay_off_the_console(two_ranks):
+    """gloo prints one '[Gloo] Rank N is connected to M peer ranks' line per rank: log only."""
+    code, out, err = two_ranks
+    assert code == 0
+    assert "[Gloo]" not in out and "[Gloo]" not in err, err
+
+
+def test_gloo_connection_lines_are_kept_in_the_log_files(tmp_path, tag):
+    script = write_script(tmp_path, "job.py", JOB)
+    logdir = tmp_path / "logs"
+    proc = start_launcher(["--nproc_per_node", 2, "--logdir", logdir, script], job_env(tag))
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err
+    assert "[Gloo]" not in out + err
+    logged = "".join((logdir / f"rank.{r}" / s).read_text() for r in (0, 1)
+                     for s in ("stdout", "stderr"))
+    assert logged.count("[Gloo] Rank") == 2, logged
