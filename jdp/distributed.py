@@ -68,8 +68,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     Calling it again is a no-op; calling it again with a different job raises RuntimeError.
     It also tunes glibc's allocator so XLA:CPU reuses its per-step scratch memory (~1.7x on a
     CPU step, same results; `JDP_MALLOC_TUNING=0` turns it off; see `jdp/_malloc.py`).
-    On a multi-process job an uncaught exception prints its traceback and ends the process at
-    once with code 1, since JAX's exit handler would otherwise wait for the peers.
+    Before JAX's own join every process reports to process 0 on the coordinator port (a plain
+    TCP roll call, jdp/_rendezvous.py), so a missing process is named in a TimeoutError instead
+    of JAX aborting process 0. On a multi-process job an uncaught exception prints its
+    traceback and ends the process at once with code 1, and an uncaught `sys.exit(n)` ends it
+    at once with n, since JAX's exit handler would otherwise wait for the peers and then abort
+    (this holds under mpirun/srun too, without jdp's launcher; a bare `raise SystemExit(n)`
+    is not seen early and still waits).
 
     Args:
         coordinator_address: "host:port" of process 0's coordinator service.
@@ -85,8 +90,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         cluster_detection_method: JAX's cluster detection method to use (see above).
 
     Raises:
-        ValueError: an inconsistent setting (RANK >= WORLD_SIZE, a bad or busy port, ...).
-        TimeoutError: the coordinator did not answer within `initialization_timeout`.
+        ValueError: an inconsistent setting (RANK >= WORLD_SIZE, a bad or busy port, a
+            MASTER_ADDR that does not resolve, ...).
+        TimeoutError: the coordinator did not answer within `initialization_timeout`, or
+            (on process 0) some processes never reported; the message names them.
         RuntimeError: called after JAX started its backend, or again for a different job.
 
     Example:
