@@ -24,10 +24,12 @@ TFDS, and scikit-learn's `digits`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import importlib.util
 import os
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -159,9 +161,27 @@ def _tfds_source(name: str, split: str, data_dir: str | None) -> Any:
     try:
         # download=False: never reach for the network (it would fail slowly when offline, and
         # preparing needs TensorFlow anyway); a missing dataset raises at once.
-        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+        with _scratch_tempdir():
+            return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except Exception as err:  # noqa: BLE001 -- TFDS raises several types for missing data
-        raise ValueError(_not_prepared_message(tfds, name, split, data_dir, err)) from err
+        with _scratch_tempdir():
+            message = _not_prepared_message(tfds, name, split, data_dir, err)
+        raise ValueError(message) from err
+
+
+@contextlib.contextmanager
+def _scratch_tempdir():
+    """Point `tempfile` into a directory removed afterwards while TFDS runs.
+
+    TFDS makes `tempfile.mkdtemp("tfds")` directories for a dataset it finds no data for and
+    never removes them: a `/tmp/tmp*tfds` per failed `load`.
+    """
+    with tempfile.TemporaryDirectory(prefix="jdp-tfds-") as scratch:
+        before, tempfile.tempdir = tempfile.tempdir, scratch
+        try:
+            yield
+        finally:
+            tempfile.tempdir = before
 
 
 def _not_prepared_message(tfds: Any, name: str, split: str, data_dir: str | None,

@@ -136,3 +136,11 @@ def test_tfds_source_feeds_the_loader_under_mock_data(tmp_path, name):
             np.testing.assert_array_equal(images, np.stack([source[i]["image"] for i in real]))
             rows += real.tolist()
         assert sorted(rows) == list(range(37))
+
+
+def test_a_failed_tfds_load_leaves_no_temporary_directories(tmp_path):
+    pytest.importorskip("tensorflow_datasets")
+    before = set(tmp_path.iterdir())  # tempfile points here (the autouse fixture)
+    with pytest.raises(ValueError):
+        jdp.datasets.load("mnist", "train", data_dir=str(tmp_path / "none"))
+    assert set(tmp_path.iterdir()) == before
