@@ -45,8 +45,9 @@ QUICK = Settings(5, 0.25, 50, False, False, 3_000_000, (1, 2, 4, 8))
 def selected(name: str, make):
     """`make` as a table that `--only` leaves out unless it names `name`."""
     def table(r: dict) -> str:
-        return make(r) if name in r.get("only") or not r.get("only") else \
-            f"Not measured: `--only` did not name `{name}`.\n"
+        if r.get("only") and name not in r["only"]:
+            return f"Not measured: `--only` did not name `{name}`.\n"
+        return make(r)
     table.__doc__ = make.__doc__
     return table
 
