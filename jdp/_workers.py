@@ -99,6 +99,8 @@ class Pool:
 
         def get(b: int) -> dict:
             with self._lock:
+                if cancel.is_set():  # a late call of an abandoned pass must not ask anything
+                    raise Cancelled
                 for nxt in to_send:  # keep `ahead` batches requested beyond b
                     self._ask(nxt % k, ("batch", nxt))
                     self._owed[nxt % k] += 1
