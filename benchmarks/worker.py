@@ -30,7 +30,6 @@ from jax import lax
 
 import jdp
 from benchmarks import harness, hlo
-from jdp._mesh import local_sharding
 
 _spec = importlib.util.spec_from_file_location("jdp_examples_mnist", os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mnist.py"))
@@ -95,10 +94,10 @@ def build(name: str, per_device: int) -> Variant:
             "label": rng.integers(0, 10, size, dtype=np.int32)}
     step = jdp.train_step(loss_of(model), has_aux=True,
                           **({"backend": "shard_map"} if name == "shardmap" else {}))
+    layout = "global" if name == "global" else "pmap"
+    batch = next(iter(jdp.data.Loader(data, size, layout=layout)))
     if name == "global":
-        batch = next(iter(jdp.data.Loader(data, size, layout="global")))
         return Variant(step, jdp.broadcast(state), batch)
-    batch = jax.device_put(jdp.shard(data), local_sharding())
     return Variant(hand_step(loss_of(model)) if name == "hand" else step, jdp.replicate(state),
                    batch)
 
