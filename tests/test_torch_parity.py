@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO, child_env, free_port
 
 STEPS, PER_PROCESS, WORLD = 10, 32, 2
