@@ -176,7 +176,8 @@ def _preimport() -> None:
             pass
 
 
-def main(rounds: int = 5) -> None:
+def table(rounds: int = 5) -> str:
+    """The input-pipeline table (markdown): every pipeline timed over interleaved epochs."""
     _preimport()
     data = make_jpegs()
     configs = [(jdp_pipeline, w) for w in (0, 1, 2)] + [(torch_pipeline, w) for w in (0, 2)]
@@ -186,19 +187,20 @@ def main(rounds: int = 5) -> None:
     for _ in range(rounds):  # interleaved: each round times one epoch of every pipeline
         for pipeline in live:
             pipeline.run_epoch()
-    print(f"Input pipeline: {NUM_IMAGES} JPEGs {SIZE}x{SIZE} -> decode, random crop {CROP}, "
-          f"flip; batch {BATCH}; {os.cpu_count()} CPU cores; median of {rounds} interleaved "
-          "epochs (min-max)\n")
-    print("| pipeline | workers | images/s | min-max | first batch (s) |")
-    print("|---|---:|---:|---:|---:|")
+    lines = [f"Input pipeline: {NUM_IMAGES} JPEGs {SIZE}x{SIZE} -> decode, random crop {CROP}, "
+             f"flip; batch {BATCH}; {os.cpu_count()} CPU cores; median of {rounds} interleaved "
+             "epochs (min-max)\n",
+             "| pipeline | workers | images/s | min-max | first batch (s) |",
+             "|---|---:|---:|---:|---:|"]
     for (make, workers), p in zip(configs, pipelines, strict=True):
         if isinstance(p, str):
-            print(f"| {make.__name__.split('_')[0]} | {workers} | {p} | | |")
+            lines.append(f"| {make.__name__.split('_')[0]} | {workers} | {p} | | |")
             continue
-        print(f"| {p.name} | {workers} | {statistics.median(p.rates):,.0f} | "
-              f"{min(p.rates):,.0f}-{max(p.rates):,.0f} | {p.first:.1f} |")
+        lines.append(f"| {p.name} | {workers} | {statistics.median(p.rates):,.0f} | "
+                     f"{min(p.rates):,.0f}-{max(p.rates):,.0f} | {p.first:.1f} |")
         p.close()
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    main()
+    print(table())
