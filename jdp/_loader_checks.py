@@ -7,9 +7,9 @@ from typing import Any
 
 import jax
 
+from jdp import _mesh
 from jdp._sampler import DistributedSampler
 
-LAYOUTS = ("pmap", "global")
 """`Loader(layout=...)` values: stacked per-device arrays, or one global array per leaf."""
 
 
@@ -32,8 +32,8 @@ def default_sampler(sampler: DistributedSampler | None, num_examples: int,
 
 def layout(value: Any, devices: Sequence[jax.Device] | None) -> str:
     """`value` if it is a layout name; devices= only goes with the pmap layout."""
-    if not isinstance(value, str) or value not in LAYOUTS:
-        raise ValueError(f"Loader: layout={value!r}; expected one of {LAYOUTS} ('pmap': "
+    if not isinstance(value, str) or value not in _mesh.LAYOUTS:
+        raise ValueError(f"Loader: layout={value!r}; expected one of {_mesh.LAYOUTS} ('pmap': "
                          "[local_devices, per_device, ...] arrays, 'global': [global_batch, ...])")
     if value == "global" and devices is not None:
         raise ValueError("Loader: devices= was given with layout='global', whose batches are "

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+GLOBAL, STACKED = "global", "pmap"
+LAYOUTS = (STACKED, GLOBAL)
+"""jdp's two layouts: global arrays on `mesh()`, or stacked `[local_devices, ...]` (pmap)."""
 
 AXIS = "batch"
 """Name of the device axis inside jdp's parallel steps (`lax.pmean(x, jdp.AXIS)`,
@@ -64,3 +69,19 @@ def replicated() -> NamedSharding:
 def batch_sharded() -> NamedSharding:
     """The leading axis split over `mesh()` (the global layout's batches)."""
     return NamedSharding(mesh(), PartitionSpec(AXIS))
+
+
+def place_batch(host: Any, layout: str, sharding: NamedSharding | None = None) -> Any:
+    """Put this process's rows `[n*b, ...]` (a pytree of host arrays) on the devices.
+
+    STACKED: `[n, b, ...]`, slice i on device i of `sharding` (default `local_sharding()`).
+    GLOBAL: this process's part of global `[processes*n*b, ...]` arrays split along `AXIS`
+    over `mesh()` (`jax.make_array_from_process_local_data`: no extra host copy).
+    """
+    if layout == GLOBAL:
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            batch_sharded(), np.asarray(x)), host)
+    sharding = sharding or local_sharding()
+    n = sharding.mesh.size
+    return jax.device_put(jax.tree.map(
+        lambda x: np.asarray(x).reshape(n, -1, *np.shape(x)[1:]), host), sharding)

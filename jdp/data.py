@@ -37,35 +37,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
 from jdp import _batches, _loader_checks, _mesh, _position, _prefetch, _sources, _workers
-from jdp._loader_checks import LAYOUTS
 from jdp._sampler import DistributedSampler, _require_int
 from jdp._sources import ArraySource
 
-__all__ = ["LAYOUTS", "ArraySource", "DistributedSampler", "Loader"]
-
-
-def _placer(layout: str, devices: Sequence[jax.Device] | None) -> Callable[[dict], dict]:
-    """The function putting a host batch on the devices in `layout`."""
-    if layout == "global":
-        return functools.partial(_place_global, _mesh.batch_sharded())
-    return functools.partial(_place_stacked, _mesh.local_sharding(devices))
-
-
-def _place_stacked(sharding: NamedSharding, host: dict) -> dict:
-    """`[n * b, ...]` host rows as `[n, b, ...]`, slice i on device i (pmap's layout)."""
-    n = sharding.mesh.size
-    return jax.device_put(jax.tree.map(
-        lambda x: np.asarray(x).reshape(n, -1, *np.shape(x)[1:]), host), sharding)
-
-
-def _place_global(sharding: NamedSharding, host: dict) -> dict:
-    """This process's rows as its part of global `[batch_size * processes, ...]` arrays."""
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host)
+__all__ = ["ArraySource", "DistributedSampler", "Loader"]
 
 
 class Loader:
@@ -142,7 +119,9 @@ class Loader:
         self._recipe = _batches.Recipe(read, transform, _batches.wants_rng(transform))
         if self.num_workers:
             _workers.check_picklable(self._recipe, self.num_workers)
-        self._place = _placer(self.layout, devices)
+        self._place = functools.partial(
+            _mesh.place_batch, layout=self.layout,
+            sharding=None if self.layout == _mesh.GLOBAL else _mesh.local_sharding(devices))
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
         self._pool: _workers.Pool | None = None

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jdp import _mesh, _zero
 from jdp.distributed import broadcast_from_primary
 
-GLOBAL, STACKED = "global", "pmap"
+GLOBAL, STACKED = _mesh.GLOBAL, _mesh.STACKED
 
 
 class TrainState(train_state.TrainState):
@@ -164,7 +164,7 @@ def shard(tree: Any, *, layout: str = STACKED) -> Any:
         >>> jdp.shard({"x": np.zeros((2 * n, 3))}, layout="global")["x"].shape == (2 * n, 3)
         True
     """
-    if layout not in (STACKED, GLOBAL):
+    if layout not in _mesh.LAYOUTS:
         raise ValueError(f"jdp.shard: layout={layout!r}; expected 'pmap' or 'global'")
     n = jax.local_device_count()
 
@@ -175,11 +175,9 @@ def shard(tree: Any, *, layout: str = STACKED) -> Any:
                 f"jdp.shard: leaf {jax.tree_util.keystr(path) or 'batch'} has shape {x.shape}; "
                 f"its leading axis must be divisible by the {n} local devices: pick a batch size "
                 f"that is a multiple of {n}")
-        if layout == GLOBAL:
-            return jax.make_array_from_process_local_data(_mesh.batch_sharded(), x)
-        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+        return x
 
-    return jax.tree_util.tree_map_with_path(split, tree)
+    return _mesh.place_batch(jax.tree_util.tree_map_with_path(split, tree), layout)
 
 
 def layout_of_leaf(x: Any) -> str | None:

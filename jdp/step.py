@@ -379,7 +379,7 @@ def _without_stop(out: Any) -> Any:
 
 
 class _StopFlags:
-    """The per-device stop flag a step sends, built once per layout and value (no per-step
+    """The per-device stop flag a step sends, placed once per layout and value (no per-step
     host-to-device work beyond handing over a cached array)."""
 
     def __init__(self):
@@ -389,10 +389,7 @@ class _StopFlags:
         key = (layout, bool(flag))
         if key not in self.cache:
             local = np.full(jax.local_device_count(), float(flag), np.float32)
-            sharding = (_mesh.batch_sharded() if layout == _state.GLOBAL
-                        else _mesh.local_sharding())
-            self.cache[key] = (jax.make_array_from_process_local_data(sharding, local)
-                               if layout == _state.GLOBAL else jax.device_put(local, sharding))
+            self.cache[key] = _mesh.place_batch(local, layout)
         return self.cache[key]
 
 
