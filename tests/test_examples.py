@@ -138,12 +138,22 @@ def test_spawn_mlp_example_trains_one_epoch_and_its_loss_falls(tag):
     assert last < first * 0.8
 
 
-def test_demo_trains_digits_on_8_devices_to_95_percent(tmp_path):
-    """What `make demo` runs: the defaults, 8 simulated devices, no network."""
-    result = run_python([os.path.join(EXAMPLES, "mnist.py"), "--quiet", "--output-dir",
-                         str(tmp_path)], env=child_env(devices=8), timeout=300)
-    assert result.returncode == 0, result.stderr
+def test_demo_reaches_96_percent_on_held_out_mnist5k_median_over_seeds_0_to_3(tmp_path):
+    """What `make demo` runs (the defaults: mnist5k, 8 simulated devices, no network), for
+    seeds 0-3 in one process; the held-out split's accuracy, median over the seeds."""
+    code = f"""
+import json, sys
+sys.path.insert(0, {EXAMPLES!r})
+import mnist
+for seed in range(4):
+    record = mnist.main(["--quiet", "--seed", str(seed), "--output-dir", {str(tmp_path)!r}])
+    print("ACCURACY", json.dumps(record["test_accuracy"]), record["epoch"], flush=True)
+"""
+    result = run_python(["-c", code], env=child_env(devices=8), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "training on 8 devices in 1 processes" in result.stdout
-    record = last_record(tmp_path)
-    assert record["epoch"] == 20
-    assert record["test_accuracy"] >= 0.95
+    found = re.findall(r"ACCURACY ([\d.]+) (\d+)", result.stdout)
+    accuracies = sorted(float(a) for a, _ in found)
+    print("held-out accuracy, seeds 0-3:", accuracies)
+    assert len(accuracies) == 4 and {int(e) for _, e in found} == {10}
+    assert np.median(accuracies) >= 0.96, accuracies
