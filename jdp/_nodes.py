@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import socket
 import threading
 import time
 
-from jdp import _net
+from jdp import _exit, _net
 
 BACKOFF_S = 1.0
 JOIN_TIMEOUT_S = 300.0
@@ -218,3 +219,43 @@ class Link:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def round_end(outcome, node: int, stall: str | None, stall_status: int) -> tuple:
+    """How this node's round ended ("ok", "failed", "stopped", "signal"), and its failure F.
+
+    `outcome` is the node's `_supervisor.Outcome`; `stall` the watchdog's report, if any.
+    """
+    if outcome.signal is not None:
+        return "signal", {"node": node, "signal": outcome.signal}
+    if outcome.stopped:
+        return "stopped", None
+    if stall is not None:
+        return "failed", {"node": node, "returncode": stall_status, "seconds": outcome.seconds,
+                          "stall": stall}
+    if outcome.failed_rank is None:
+        return "ok", None
+    return "failed", {"node": node, "rank": outcome.failed_rank, "seconds": outcome.seconds,
+                      "returncode": outcome.returncode, "tail": list(outcome.tail)}
+
+
+def failure_report(failure: dict, who: str, nnodes: int, world: int) -> str:
+    """The one summary every launcher prints about the first failure of a round."""
+    if "error" in failure:
+        return f"{who}: {failure['error']}"
+    if failure.get("lost"):
+        return (f"{who}: lost the launcher of node {failure['node']} (its connection closed); "
+                "stopped the processes of every node.")
+    if "signal" in failure:
+        return (f"{who}: node {failure['node']}'s launcher received "
+                f"{signal.Signals(failure['signal']).name}; every node stopped.")
+    if "stall" in failure:
+        return f"{failure['stall']}\n{who}: (node {failure['node']}) stopped all {world} processes."
+    lines = [f"{who}: rank {failure['rank']} on node {failure['node']} failed with "
+             f"{_exit.describe_exit(failure['returncode'])} after {failure['seconds']:.1f} s; "
+             f"stopped all {world} processes on {nnodes} nodes."]
+    tail = failure.get("tail") or []
+    lines.append(f"{who}: last {len(tail)} line(s) of rank {failure['rank']}'s stderr:" if tail
+                 else f"{who}: rank {failure['rank']} wrote nothing to stderr.")
+    lines += [f"  {line}" for line in tail]
+    return "\n".join(lines)

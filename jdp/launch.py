@@ -300,7 +300,8 @@ def _launch_nodes(args: argparse.Namespace, limits: _supervisor.Limits, cache_en
         while True:
             message = link.next()
             if message.get("failure"):
-                _say(_node_failure_report(message["failure"], args))
+                _say(_nodes.failure_report(message["failure"], WHO, args.nnodes,
+                                           args.nnodes * args.nproc_per_node))
             if "exit" in message:
                 return 128 + own_signal if own_signal else message["exit"]
             r = message["start"]
@@ -311,7 +312,9 @@ def _launch_nodes(args: argparse.Namespace, limits: _supervisor.Limits, cache_en
                                         append=r > 0)
             outcome = _supervisor.run(rank_specs(args, args.master_port, r, cache_env), output,
                                       limits, stop=link.stop)
-            how, failure = _round_end(outcome, args)
+            stall = None if outcome.stall is None else _watchdog.report(
+                WHO, *outcome.stall, args.progress_timeout)
+            how, failure = _nodes.round_end(outcome, args.node_rank, stall, EXIT_STALLED)
             if how == "signal":
                 own_signal = outcome.signal
                 _say(_stopped_message(outcome, args))
@@ -324,48 +327,6 @@ def _launch_nodes(args: argparse.Namespace, limits: _supervisor.Limits, cache_en
             link.close()
         if keeper is not None:
             keeper.close()
-
-
-def _round_end(outcome: _supervisor.Outcome, args: argparse.Namespace) -> tuple:
-    """How this node's round ended ("ok", "failed", "stopped", "signal") and the failure."""
-    node = args.node_rank
-    if outcome.signal is not None:
-        return "signal", {"node": node, "signal": outcome.signal}
-    if outcome.stopped:
-        return "stopped", None
-    if outcome.stall is not None:
-        progress, stacks = outcome.stall
-        return "failed", {"node": node, "returncode": EXIT_STALLED, "seconds": outcome.seconds,
-                          "stall": _watchdog.report(WHO, progress, stacks,
-                                                    args.progress_timeout)}
-    if outcome.failed_rank is None:
-        return "ok", None
-    return "failed", {"node": node, "rank": outcome.failed_rank, "seconds": outcome.seconds,
-                      "returncode": outcome.returncode, "tail": list(outcome.tail)}
-
-
-def _node_failure_report(failure: dict, args: argparse.Namespace) -> str:
-    """The one summary every launcher prints about the first failure of a round."""
-    world = args.nnodes * args.nproc_per_node
-    if "error" in failure:
-        return f"{WHO}: {failure['error']}"
-    if failure.get("lost"):
-        return (f"{WHO}: lost the launcher of node {failure['node']} (its connection closed); "
-                f"stopped the processes of every node.")
-    if "signal" in failure:
-        return (f"{WHO}: node {failure['node']}'s launcher received "
-                f"{signal.Signals(failure['signal']).name}; every node stopped.")
-    if "stall" in failure:
-        return f"{failure['stall']}\n{WHO}: (on node {failure['node']}) stopped all {world} " \
-               "processes."
-    lines = [f"{WHO}: rank {failure['rank']} on node {failure['node']} failed with "
-             f"{_exit.describe_exit(failure['returncode'])} after {failure['seconds']:.1f} s; "
-             f"stopped all {world} processes on {args.nnodes} nodes."]
-    tail = failure.get("tail") or []
-    lines.append(f"{WHO}: last {len(tail)} line(s) of rank {failure['rank']}'s stderr:" if tail
-                 else f"{WHO}: rank {failure['rank']} wrote nothing to stderr.")
-    lines += [f"  {line}" for line in tail]
-    return "\n".join(lines)
 
 
 def _say(text: str) -> None:

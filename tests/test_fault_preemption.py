@@ -21,6 +21,7 @@ from jdp import _progress
 LOOP = """
 import sys, time
 import jax, numpy as np
+import jdp
 from jdp import _progress
 
 jdp.initialize()
