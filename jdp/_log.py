@@ -7,6 +7,8 @@ from typing import Any
 
 import jax
 
+from jdp import _env
+
 
 def print0(*args: Any, **kwargs: Any) -> None:
     """`print` on process 0 only (flushed), so a message appears once per job.
@@ -66,6 +68,6 @@ def _rank_hint() -> int:
     if jax.distributed.is_initialized():
         return jax.process_index()
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get(_env.RANK, "0"))
     except ValueError:
         return 0

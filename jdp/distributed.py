@@ -28,7 +28,7 @@ import numpy as np
 from jax._src import distributed as _jax_distributed  # no public API: see above
 from jax.experimental import multihost_utils
 
-from jdp import _exit, _malloc, _net, _rendezvous
+from jdp import _env, _exit, _malloc, _net, _rendezvous
 
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30
@@ -36,9 +36,9 @@ DEFAULT_HEARTBEAT_TIMEOUT = 30
 # process when this runs out (measured), e.g. while process 0 still writes its last checkpoint.
 # Dead peers are caught by the heartbeat, not by this.
 DEFAULT_SHUTDOWN_TIMEOUT = 300
-_TIMEOUT_ENV = {"initialization_timeout": ("JDP_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT),
-                "heartbeat_timeout": ("JDP_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT),
-                "shutdown_timeout": ("JDP_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)}
+_TIMEOUT_ENV = {"initialization_timeout": (_env.INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT),
+                "heartbeat_timeout": (_env.HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT),
+                "shutdown_timeout": (_env.SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)}
 
 
 class _Plan(NamedTuple):
@@ -117,13 +117,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def _plan(coordinator_address, num_processes, process_id, local_device_ids,
           cluster_detection_method, env: Mapping[str, str]) -> _Plan | None:
     """Merge arguments and environment into one plan; None when there is nothing to join."""
-    if coordinator_address is None and "MASTER_ADDR" in env and "MASTER_PORT" in env:
-        port = _env_int(env, "MASTER_PORT", "the coordinator's TCP port (e.g. MASTER_PORT=29500)")
-        coordinator_address = _net.join_host_port(env["MASTER_ADDR"], port)
-    if num_processes is None and "WORLD_SIZE" in env:
-        num_processes = _env_int(env, "WORLD_SIZE", "the number of processes")
-    if process_id is None and "RANK" in env:
-        process_id = _env_int(env, "RANK", "this process's index, 0 <= RANK < WORLD_SIZE")
+    if coordinator_address is None and _env.MASTER_ADDR in env and _env.MASTER_PORT in env:
+        port = _env_int(env, _env.MASTER_PORT,
+                        "the coordinator's TCP port (e.g. MASTER_PORT=29500)")
+        coordinator_address = _net.join_host_port(env[_env.MASTER_ADDR], port)
+    if num_processes is None and _env.WORLD_SIZE in env:
+        num_processes = _env_int(env, _env.WORLD_SIZE, "the number of processes")
+    if process_id is None and _env.RANK in env:
+        process_id = _env_int(env, _env.RANK, "this process's index, 0 <= RANK < WORLD_SIZE")
     if coordinator_address is None and num_processes is None and process_id is None:
         cluster = _detect_cluster(cluster_detection_method, env)
         return None if cluster is None else _Plan(None, None, None, local_device_ids, cluster)
@@ -156,11 +157,11 @@ def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None
     """Explicit ids; else one GPU per process (LOCAL_RANK) when several share a node."""
     if local_device_ids is not None:
         return [int(i) for i in local_device_ids]
-    if "JAX_LOCAL_DEVICE_IDS" in env or "LOCAL_RANK" not in env:
+    if "JAX_LOCAL_DEVICE_IDS" in env or _env.LOCAL_RANK not in env:
         return None  # JAX reads JAX_LOCAL_DEVICE_IDS itself
-    local_rank = _env_int(env, "LOCAL_RANK", "this process's index on its node")
-    local_world = _env_int(env, "LOCAL_WORLD_SIZE", "processes per node") if (
-        "LOCAL_WORLD_SIZE" in env) else 1
+    local_rank = _env_int(env, _env.LOCAL_RANK, "this process's index on its node")
+    local_world = _env_int(env, _env.LOCAL_WORLD_SIZE, "processes per node") if (
+        _env.LOCAL_WORLD_SIZE in env) else 1
     if not 0 <= local_rank < max(local_world, 1):
         raise ValueError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1} "
                          f"(LOCAL_WORLD_SIZE={local_world}); set LOCAL_RANK below LOCAL_WORLD_SIZE")
@@ -174,7 +175,7 @@ def _detect_cluster(method: str | None, env: Mapping[str, str]) -> str | None:
     JAX's own detection is not consulted blindly: some of it (TPU metadata, Kubernetes)
     makes network calls, and a plain `python train.py` must not try to join anything.
     """
-    method = method or env.get("JDP_CLUSTER_DETECTION") or None
+    method = method or env.get(_env.CLUSTER_DETECTION) or None
     if method:
         return method
     if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")) and (
