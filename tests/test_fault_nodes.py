@@ -88,3 +88,26 @@ def test_a_rank_killed_on_node_1_restarts_every_node_in_one_round(tmp_path, tag)
         assert "FINAL 32" in out, out
         err = (logs / f"rank.{rank}" / "stderr").read_text()
         assert not any(word in err for word in ABORTS), (rank, err[-3000:])
+
+
+def test_losing_a_node_s_launcher_stops_the_job_on_every_node(tmp_path, tag):
+    """SIGKILL to node 1's launcher (a lost node): its ranks die with it, node 0 stops its
+    own at once and exits 1 naming the lost node (no restarts left)."""
+    script = write_script(tmp_path, "train.py", TRAIN)
+    logs, port = tmp_path / "logs", free_port()
+    console = tmp_path / "node0.txt"
+    args = ["--nnodes", 2, "--nproc_per_node", 2, "--master_port", port, "--logdir", logs,
+            "--redirect_stdout_and_stderr"]
+    with open(console, "w") as f:
+        node0 = start_launcher([*args, "--node_rank", 0, script, tmp_path / "ckpt"],
+                               job_env(tag), stdout=f, stderr=subprocess.STDOUT)
+    node1 = start_launcher([*args, "--node_rank", 1, script, tmp_path / "ckpt"], job_env(tag),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_line(logs / "rank.3" / "stdout", "STEP 4", timeout=180)
+    node1.kill()
+    node1.wait(timeout=10)
+    start = time.monotonic()
+    assert node0.wait(timeout=60) == 1, console.read_text()
+    print(f"node 0's launcher exited {time.monotonic() - start:.1f} s after node 1's was killed")
+    assert time.monotonic() - start < 10
+    assert "lost the launcher of node 1" in console.read_text()
