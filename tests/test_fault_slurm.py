@@ -1,0 +1,48 @@
+"""No jdp launcher: a job started by SLURM's `srun -n 2` fails as fast as under jdp.launch.
+
+A rank's `sys.exit(3)` mid-training must end the job within 10 s with srun returning 3
+(without jdp, JAX waits for its 300 s shutdown timeout and every task dies by SIGABRT, 134).
+Needs a running SLURM (slurmctld + slurmd, e.g. Debian's slurm-wlm on this machine); skipped
+when `srun` is absent or no node answers.
+"""
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, child_env, wait_until_gone, write_script
+from test_fault_mpirun import EXITING
+
+SRUN = shutil.which("srun")
+
+
+def slurm_ready() -> bool:
+    """Is there a SLURM controller with an idle node?"""
+    if SRUN is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                                timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(s.startswith(("idle", "mix")) for s in states)
+
+
+pytestmark = pytest.mark.skipif(not slurm_ready(), reason="no running SLURM (srun, sinfo with "
+                                "an idle node; Debian package slurm-wlm)")
+
+
+@pytest.mark.parametrize("mode, code", [("exit", 3), ("raise", 1)])
+def test_a_failing_rank_ends_an_srun_job_with_its_code(tmp_path, tag, mode, code):
+    script = write_script(tmp_path, "job.py", EXITING)
+    env = child_env(JDP_TEST_TAG=tag, MODE=mode)
+    done = subprocess.run([SRUN, "-n", "2", "--overcommit", sys.executable, script], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    ended = time.time()
+    assert "LEAVING" in done.stderr, done.stdout + done.stderr
+    left = float(done.stderr.split("LEAVING ", 1)[1].split()[0])
+    print(f"{mode}: srun exited {ended - left:.1f} s after rank 1 left, code {done.returncode}")
+    assert done.returncode == code, done.stderr[-3000:]
+    assert ended - left < 10
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
