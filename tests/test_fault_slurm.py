@@ -46,3 +46,23 @@ def test_a_failing_rank_ends_an_srun_job_with_its_code(tmp_path, tag, mode, code
     assert done.returncode == code, done.stderr[-3000:]
     assert ended - left < 10
     assert wait_until_gone(tag, timeout=5.0) < 5.0
+
+
+def test_scancel_signal_term_stops_every_task_at_one_step(tmp_path, tag):
+    """SLURM's preemption notice (`scancel --signal=TERM`): every task saves at one step."""
+    from test_fault_mpirun import LOOP
+    script = write_script(tmp_path, "loop.py", LOOP)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([SRUN, "-n", "2", "--overcommit", f"--job-name={tag}",
+                                 sys.executable, script], env=child_env(JDP_TEST_TAG=tag),
+                                cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while out.read_text().count("ready") < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, out.read_text()
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--signal=TERM", f"--name={tag}"], check=True, timeout=30)
+        assert proc.wait(timeout=60) == 0, out.read_text()
+    saved = [line.split("step ")[1] for line in out.read_text().splitlines() if "SAVED" in line]
+    assert len(saved) == 2 and saved[0] == saved[1], out.read_text()
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
