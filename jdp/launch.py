@@ -95,7 +95,8 @@ compilation cache:
   DIR/compilation_cache with --logdir DIR, else to a temporary directory that lives as long
   as the launcher (kept across restarts, removed at exit). Entries are cached whatever their
   compile time. Set JAX_COMPILATION_CACHE_DIR yourself to choose (and keep) the directory,
-  or pass --compilation_cache off.
+  or pass --compilation_cache off. JAX writes entries from process 0 only, so in a job of
+  several processes the others still compile their own programs.
 
 exit status: 0 when every process exits 0; the failed rank's status; 124 when the progress
 watchdog stopped the job; 128+N after signal N to the launcher; 2 for bad arguments.
