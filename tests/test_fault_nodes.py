@@ -101,8 +101,9 @@ def test_losing_a_node_s_launcher_stops_the_job_on_every_node(tmp_path, tag):
     with open(console, "w") as f:
         node0 = start_launcher([*args, "--node_rank", 0, script, tmp_path / "ckpt"],
                                job_env(tag), stdout=f, stderr=subprocess.STDOUT)
-    node1 = start_launcher([*args, "--node_rank", 1, script, tmp_path / "ckpt"], job_env(tag),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node1 = start_launcher(   # killed below: it cannot remove a temporary compilation cache
+        [*args, "--node_rank", 1, "--compilation_cache", tmp_path / "cache", script,
+         tmp_path / "ckpt"], job_env(tag), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_line(logs / "rank.3" / "stdout", "STEP 4", timeout=180)
     node1.kill()
     node1.wait(timeout=10)

@@ -209,7 +209,9 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path, tag, sig):
     script = write_script(tmp_path, "sleeper.py", SLEEPER)
     out = tmp_path / "out.txt"
     with open(out, "w") as f:
-        proc = start_launcher(["--nproc_per_node", 2, script], job_env(tag), stdout=f,
+        # A SIGKILLed launcher cannot remove a temporary compilation cache: choose one here.
+        env = job_env(tag, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
+        proc = start_launcher(["--nproc_per_node", 2, script], env, stdout=f,
                               stderr=subprocess.STDOUT)
         wait_for_text(out, "ready", 2, timeout=TIMEOUT)
         start = time.monotonic()
