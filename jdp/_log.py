@@ -14,7 +14,9 @@ def print0(*args: Any, **kwargs: Any) -> None:
     """`print` on process 0 only (flushed), so a message appears once per job.
 
     Example:
-        >>> jdp.print0(f"epoch {epoch}: loss {loss:.3f}")
+        >>> epoch, loss = 1, 0.25
+        >>> jdp.print0(f"epoch {epoch}: loss {loss:.3f}")   # printed by process 0 only
+        epoch 1: loss 0.250
     """
     if _rank_hint() == 0:
         kwargs.setdefault("flush", True)
@@ -46,8 +48,8 @@ def get_logger(name: str = "jdp", level: int = logging.INFO,
             always come from every process).
 
     Example:
-        >>> log = jdp.get_logger(__name__)
-        >>> log.info("step %d loss %.3f", step, loss)      # "... [rank0] INFO ...: step 10 ..."
+        >>> log = jdp.get_logger("train")
+        >>> log.info("step %d loss %.3f", 10, 0.25)  # stderr: "... [rank0] INFO train: step 10"
     """
     logger = logging.getLogger(name)
     for f in [f for f in logger.filters if isinstance(f, _RankFilter)]:

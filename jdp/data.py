@@ -38,7 +38,16 @@ from typing import Any
 
 import jax
 
-from jdp import _batches, _loader_checks, _mesh, _position, _prefetch, _sources, _workers
+from jdp import (
+    _batches,
+    _loader_checks,
+    _mesh,
+    _position,
+    _prefetch,
+    _progress,
+    _sources,
+    _workers,
+)
 from jdp._sampler import DistributedSampler, _require_int
 from jdp._sources import ArraySource
 
@@ -180,6 +189,7 @@ class Loader:
                                                      self.timeout)) as batches:
             for batch in batches:
                 self._step += 1
+                _progress.record("data")  # a rank stuck reading shows phase "data"
                 yield batch
         self._active = None  # finished: _move must not close this (running) generator
         self._move(self._epoch + 1, 0)

@@ -97,9 +97,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         RuntimeError: called after JAX started its backend, or again for a different job.
 
     Example:
-        >>> jdp.initialize()            # under `python -m jdp.launch --nproc_per_node 2 ...`
-        >>> jax.process_count()
-        2
+        >>> jdp.initialize()     # one process, no launcher: returns quietly
+        >>> jax.process_count()  # under `python -m jdp.launch --nproc_per_node 2 ...`: 2
+        1
     """
     env = os.environ
     _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp/_malloc.py
@@ -345,8 +345,10 @@ def barrier(name: str = "jdp.barrier", timeout_s: float = 300.0) -> None:
         timeout_s: seconds to wait for the slowest process.
 
     Example:
-        >>> if jdp.is_primary(): prepare_dataset()
-        >>> jdp.barrier("dataset-ready")
+        >>> if jdp.is_primary():
+        ...     print("preparing the dataset")   # one process writes, the others wait
+        preparing the dataset
+        >>> jdp.barrier("dataset-ready", timeout_s=60)
     """
     client = _jax_distributed.global_state.client
     if client is None:

@@ -360,10 +360,11 @@ def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: s
             _checks.state_in_layout(state, layout, zero_step is not None)
             _checks.trace(parallel(layout), state, batch, stops.get(layout, False))
             checked.add(signature)
+        calls[0] += 1
+        # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
+        _progress.record(phase, calls[0] if phase == "step" else None)
         out = parallel(layout)(state, batch, stops.get(layout, _progress.stop_flag()))
         in_flight.add(out[1] if isinstance(out, tuple) else out)  # the state may be donated
-        calls[0] += 1
-        _progress.record(phase, calls[0])
         return _without_stop(out)
 
     step.lower = lambda state, batch: parallel(_checks.state_layout(state)).lower(
