@@ -31,9 +31,9 @@ def child_env(devices: int = 1, **extra: str) -> dict:
     Launcher/rank variables of the test process itself are removed so that a child starts
     as a fresh single process unless `extra` says otherwise.
     """
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "XLA_FLAGS")}
+    from jdp._env import RANK_VARS  # imported late: jax must see XLA_FLAGS first
+
+    env = {k: v for k, v in os.environ.items() if k not in (*RANK_VARS, "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
