@@ -1,20 +1,19 @@
 """jdp: data-parallel training for JAX, in the manner of PyTorch DDP + torchrun.
 
-A pure single-device train step becomes one that runs on every local device of every process,
-with gradients averaged by `lax.pmean`::
+A pure single-device train step becomes one that runs on every device of every process, with
+gradients averaged by `lax.pmean`::
 
     import jdp
     jdp.initialize()
-    state = jdp.replicate(state)
+    state = jdp.broadcast(state)                  # or jdp.replicate(state): the pmap form
     step = jdp.train_step(loss_fn)
-    for batch in jdp.data.Loader(source, batch_size=256):
+    for batch in jdp.data.Loader(source, batch_size=256, layout="global"):
         state, metrics = step(state, batch)
 """
-from jdp import checkpoint, data, datasets
+from jdp import data, datasets
 from jdp._log import get_logger, print0
 from jdp._mesh import mesh
 from jdp._progress import preempted
-from jdp.checkpoint import Checkpointer
 from jdp.data import DistributedSampler, Loader
 from jdp.distributed import (
     barrier,
@@ -65,9 +64,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # `jdp.launch` on demand: importing it eagerly makes `python -m jdp.launch` warn (runpy).
-    if name == "launch":
-        import importlib
+    # On demand: `jdp.launch` (importing it eagerly makes `python -m jdp.launch` warn, runpy),
+    # and the checkpoint module, whose orbax import costs every `import jdp` ~0.5 s otherwise.
+    import importlib
 
-        return importlib.import_module("jdp.launch")
+    if name in ("launch", "checkpoint"):
+        return importlib.import_module(f"jdp.{name}")
+    if name == "Checkpointer":
+        return importlib.import_module("jdp.checkpoint").Checkpointer
     raise AttributeError(f"module 'jdp' has no attribute {name!r}")
