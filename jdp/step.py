@@ -172,19 +172,32 @@ def _device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options
     return state, metrics
 
 
-def _zero_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options):
-    """ZeRO: reduce-scatter the gradients per device, then a sharded optimiser update."""
-    def per_device(state, batch, stop):
-        grads, field, new_ms, metrics = _device_grads(state, batch, stop, **options)
-        rows = _zero.scatter_gradients(grads, grad_reduce == "mean", comm_dtype)
-        return rows, new_ms, metrics
+def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_optimizer,
+                       **options):
+    """The global layout's step (jit level): gradients per device inside `shard_map`, reduced
+    there, then the optimiser update on global arrays outside it.
 
-    no_opt = state.replace(opt_state=None)
-    grad_shapes = jax.eval_shape(lambda p: p, state.params)
-    rows, new_ms, metrics = jax.shard_map(
+    Outside `shard_map` the compiler updates the replicated state without a manual region in
+    the way (measured ~2x faster than updating inside it, with half the scratch memory), and
+    with `shard_optimizer` it partitions the update over the devices (`jdp/_zero.py`).
+    """
+    mean = grad_reduce == "mean"
+
+    def per_device(state, batch, stop):
+        grads, _, new_ms, metrics = _device_grads(state, batch, stop, **options)
+        if shard_optimizer:
+            return _zero.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
+        return reduce_gradients(grads, mean=mean, comm_dtype=comm_dtype), new_ms, metrics
+
+    shapes = jax.eval_shape(lambda p: p, state.params)
+    grad_spec = _zero.grad_specs(shapes) if shard_optimizer else P()
+    grads, new_ms, metrics = jax.shard_map(
         per_device, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
-        out_specs=(_zero.grad_specs(grad_shapes), P(), P()))(no_opt, batch, stop)
-    state = _zero.apply(state, rows, comm_dtype)
+        out_specs=(grad_spec, P(), P()))(state.replace(opt_state=None), batch, stop)
+    if shard_optimizer:
+        state = _zero.apply(state, grads, comm_dtype)
+    else:
+        state = state.apply_gradients(grads=grads)
     field = _model_state_field(state)
     return (state.replace(**{field: new_ms}) if field else state), metrics
 
@@ -195,9 +208,9 @@ def _transform(fn: Callable, layout: str, donate: bool, backend: str,
     spanning all devices of all processes. The only place that knows layouts and backends.
 
     Global layout: `jax.jit` of `jax.shard_map` over `jdp.mesh()` (state replicated, batch and
-    stop split along `AXIS`); with `whole`, `fn` is already the jit-level step (ZeRO) and
-    places its own shard_map. Stacked layout: `jax.pmap`, or with `backend="shard_map"` the
-    same shard_map on the stacked arrays viewed as global ones.
+    stop split along `AXIS`); with `whole`, `fn` is already the jit-level step (the train
+    step) and places its own shard_map. Stacked layout: `jax.pmap`, or with
+    `backend="shard_map"` the same shard_map on the stacked arrays viewed as global ones.
     """
     donate_argnums = (0,) if donate else ()
     if layout == _state.GLOBAL:
@@ -326,14 +339,17 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
                    accum_steps=accum_steps, model_state_sync=model_state_sync,
                    comm_dtype=comm_dtype)
     device_step = functools.partial(_device_train_step, **options)
-    zero_step = functools.partial(_zero_train_step, **options) if shard_optimizer else None
+    global_step = functools.partial(_global_train_step, shard_optimizer=shard_optimizer,
+                                    **options)
     return _make_step(device_step, donate, max_in_flight, backend, accum_steps,
-                      zero_step=zero_step, on_done=_agreed_stop,
+                      global_step=global_step, shard_optimizer=shard_optimizer,
+                      on_done=_agreed_stop,
                       phase="step")
 
 
 def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: str,
-               accum_steps: int = 1, zero_step: Callable | None = None,
+               accum_steps: int = 1, global_step: Callable | None = None,
+               shard_optimizer: bool = False,
                on_done: Callable | None = None, phase: str = "eval") -> Callable:
     """Wrap a per-device step: check inputs once per signature, run it in the state's layout,
     bound run-ahead, strip the stop flag from the metrics."""
@@ -345,9 +361,10 @@ def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: s
 
     def parallel(layout):
         if layout not in compiled:
-            _checks.layout_options(layout, zero_step is not None, backend)
-            fn, whole = (zero_step, True) if zero_step is not None else (device_fn, False)
-            compiled[layout] = _transform(fn, layout, donate, backend, whole)
+            _checks.layout_options(layout, shard_optimizer, backend)
+            whole = layout == _state.GLOBAL and global_step is not None
+            compiled[layout] = _transform(global_step if whole else device_fn, layout, donate,
+                                          backend, whole)
         return compiled[layout]
 
     @functools.wraps(device_fn)
@@ -357,7 +374,7 @@ def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: s
         _checks.batch(batch, layout, accum_steps)
         signature = _checks.signature(state, batch)
         if signature not in checked:
-            _checks.state_in_layout(state, layout, zero_step is not None)
+            _checks.state_in_layout(state, layout, shard_optimizer)
             _checks.trace(parallel(layout), state, batch, stops.get(layout, False))
             checked.add(signature)
         calls[0] += 1
