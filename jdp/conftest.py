@@ -1,5 +1,10 @@
-"""Root pytest set-up shared by the tests and the docstring examples (`--doctest-modules jdp`):
-8 simulated CPU devices, fixed before jax is imported, and the names the examples use."""
+"""pytest set-up for the docstring examples (`pytest --doctest-modules jdp`, part of `make test`):
+8 simulated CPU devices, fixed before any device is used, and the names the examples use.
+
+It lives in the package, not at the repository root, so that it is imported as
+`jdp.conftest` and never shadows `tests/conftest.py` as the module `conftest` (worker
+processes unpickling test classes import that one by name).
+"""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -11,7 +16,7 @@ import pytest  # noqa: E402
 
 # Importing it replaces the module by the function `jdp.train_step` (see the file), which has
 # no examples of its own to collect.
-collect_ignore = ["jdp/train_step.py"]
+collect_ignore = ["train_step.py"]
 
 
 @pytest.fixture(autouse=True)
