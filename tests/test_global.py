@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from test_step import N, assert_tree_close, data, mlp_params, mse, single_device_steps
-from test_step_models import BNNet, bn_loss, bn_state
+from test_step_models import BNNet, bn_loss, bn_state, global_batch_reference
 
 import jdp
 
@@ -57,11 +57,7 @@ def test_state_has_no_device_axis_and_metrics_are_plain_scalars():
 
 def test_batchnorm_model_state_matches_global_batch_statistics():
     batch, tx = data(N * 4), optax.sgd(0.1)
-    ref_model, model = BNNet(), BNNet(axis_name=jdp.AXIS)
-    state0 = bn_state(ref_model, batch["x"], tx)
-    (_, ref_stats), grads = jax.value_and_grad(bn_loss(ref_model), has_aux=True)(
-        state0.params, batch, state0.model_state)
-    ref_params = optax.apply_updates(state0.params, tx.update(grads, tx.init(state0.params))[0])
+    state0, ref_stats, ref_params, model = global_batch_reference(batch, tx)
     state, _ = jdp.train_step(bn_loss(model))(jdp.broadcast(state0),
                                               jdp.shard(batch, layout="global"))
     assert_tree_close(jax.device_get(state.model_state), ref_stats, rtol=1e-5, atol=1e-6)

@@ -37,15 +37,21 @@ def bn_state(model, x, tx):
                                  model_state=v["batch_stats"])
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
-def test_sync_batchnorm_statistics_equal_those_of_the_global_batch(backend):
-    batch, tx = data(N * 4), optax.sgd(0.1)
-    ref_model, model = BNNet(), BNNet(axis_name=jdp.AXIS)
+def global_batch_reference(batch, tx):
+    """(state0, reference statistics, reference parameters) of one step of plain flax and
+    optax on one device over the whole global batch; and the SyncBatchNorm model to test."""
+    ref_model = BNNet()
     state0 = bn_state(ref_model, batch["x"], tx)
-    # Reference: one device, the whole global batch.
     (_, ref_stats), grads = jax.value_and_grad(bn_loss(ref_model), has_aux=True)(
         state0.params, batch, state0.model_state)
     ref_params = optax.apply_updates(state0.params, tx.update(grads, tx.init(state0.params))[0])
+    return state0, ref_stats, ref_params, BNNet(axis_name=jdp.AXIS)
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_sync_batchnorm_statistics_equal_those_of_the_global_batch(backend):
+    batch, tx = data(N * 4), optax.sgd(0.1)
+    state0, ref_stats, ref_params, model = global_batch_reference(batch, tx)
     step = jdp.train_step(bn_loss(model), backend=backend)
     state, _ = step(jdp.replicate(state0), jdp.shard(batch))
     out = jdp.unreplicate(state)

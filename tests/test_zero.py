@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from test_step import N, assert_tree_close, data, mse, single_device_steps
-from test_step_models import BNNet, bn_loss, bn_state
+from test_step_models import bn_loss, global_batch_reference
 
 import jdp
 
@@ -82,11 +82,7 @@ def test_batchnorm_and_aux_with_sharded_optimizer():
     # SGD, not Adam: the bias before BatchNorm has a zero gradient up to rounding, which Adam
     # would scale up to a full step of noise.
     batch, tx = data(N * 8), optax.sgd(0.1, momentum=0.9)
-    ref_model, model = BNNet(), BNNet(axis_name=jdp.AXIS)
-    state0 = bn_state(ref_model, batch["x"], tx)
-    (_, ref_stats), grads = jax.value_and_grad(bn_loss(ref_model), has_aux=True)(
-        state0.params, batch, state0.model_state)
-    ref_params = optax.apply_updates(state0.params, tx.update(grads, tx.init(state0.params))[0])
+    state0, ref_stats, ref_params, model = global_batch_reference(batch, tx)
 
     def loss(params, batch, stats):
         value, new_stats = bn_loss(model)(params, batch, stats)
