@@ -193,7 +193,9 @@ if __name__ == "__main__":
 def test_workers_of_a_killed_parent_exit_on_their_own(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(_ORPHAN_SCRIPT.format(tests=os.path.join(REPO, "tests")))
-    parent = subprocess.Popen([sys.executable, str(script)], env=child_env(devices=8),
+    # TMPDIR: the killed parent cannot remove its multiprocessing directory; keep it here.
+    parent = subprocess.Popen([sys.executable, str(script)],
+                              env=child_env(devices=8, TMPDIR=str(tmp_path)),
                               stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 60)

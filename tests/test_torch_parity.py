@@ -46,7 +46,8 @@ def test_ten_steps_of_jdp_and_torch_ddp_give_the_same_global_losses(tmp_path):
     data = tmp_path / "data.npz"
     np.savez(data, image=(train["image"][:count] / 255.0).astype(np.float32),
              label=train["label"][:count], **initial_weights(np.random.default_rng(0)))
-    env = child_env(devices=1, OMP_NUM_THREADS="1")
+    # TMPDIR: torchrun's own temporary directory stays inside tmp_path.
+    env = child_env(devices=1, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     torch_out, jdp_out = tmp_path / "torch.json", tmp_path / "jdp.json"
     run(["-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr",
          "127.0.0.1", "--master_port", str(free_port()), "tests/_parity_torch.py", str(data),
