@@ -35,11 +35,12 @@ def backend(name: str) -> None:
     if name not in ("pmap", "shard_map"):
         raise ValueError(f"backend={name!r}: expected 'pmap' (default) or 'shard_map'")
 
-def layout_options(layout: str, shard_optimizer: bool, backend_name: str) -> None:
+def layout_options(layout: str, shard_optimizer: bool) -> None:
     """Options that only one layout has."""
     if shard_optimizer and layout != _state.GLOBAL:
         raise ValueError("shard_optimizer=True needs the global layout: place the state with "
                          "jdp.broadcast(state, shard_optimizer=True), not jdp.replicate")
+
 
 def name(path) -> str:
     """A tree path as users write it (`['params']['w']`), or <root>."""

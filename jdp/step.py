@@ -361,7 +361,7 @@ def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: s
 
     def parallel(layout):
         if layout not in compiled:
-            _checks.layout_options(layout, shard_optimizer, backend)
+            _checks.layout_options(layout, shard_optimizer)
             whole = layout == _state.GLOBAL and global_step is not None
             compiled[layout] = _transform(global_step if whole else device_fn, layout, donate,
                                           backend, whole)
@@ -390,10 +390,11 @@ def _make_step(device_fn: Callable, donate: bool, max_in_flight: int, backend: s
 
 
 def _without_stop(out: Any) -> Any:
-    """The step's outputs as the user sees them: metrics without the internal stop flag."""
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+    """The step's outputs as the user sees them: a train step's metrics without the internal
+    stop flag (an evaluation's totals never carry one)."""
+    if isinstance(out, tuple):
         return out[0], {k: v for k, v in out[1].items() if k != _STOP}
-    return {k: v for k, v in out.items() if k != _STOP} if isinstance(out, dict) else out
+    return out
 
 
 class _StopFlags:

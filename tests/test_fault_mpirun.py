@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import REPO, child_env, wait_until_gone, write_script
+from test_fault_preemption import LOOP as PREEMPTION_LOOP
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI, Debian package "
@@ -58,25 +59,7 @@ def test_a_failing_rank_ends_an_mpirun_job_with_its_code(tmp_path, tag, mode, co
     assert wait_until_gone(tag, timeout=5.0) < 5.0
 
 
-LOOP = """
-import time
-import jax, numpy as np
-import jdp
-from jdp import _progress
-
-jdp.initialize()
-psum = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
-n = jax.local_device_count()
-for step in range(1, 10**6):
-    flag = np.full(n, float(_progress.stop_flag()), np.float32)
-    _progress.set_agreed(float(psum(flag)[0]) > 0)      # what train_step does, in its pmean
-    if _progress.preempted():
-        print(f"SAVED rank {jax.process_index()} step {step}", flush=True)
-        break
-    if step == 3:
-        print("ready", flush=True)
-    time.sleep(0.02)
-"""
+LOOP = PREEMPTION_LOOP  # the same agreed-stop loop, started by mpirun instead of jdp.launch
 
 
 def test_sigterm_to_mpirun_stops_every_rank_at_one_step(tmp_path, tag):
