@@ -1,13 +1,10 @@
-"""The harness: long-lived benchmark jobs driven through request files, timed in rounds.
+"""Long-lived benchmark jobs driven through request files, timed in interleaved rounds.
 
-Each configuration (k devices in one process, a 2-process `jdp.launch` job, a torchrun job)
-lives in its own processes for the whole run: it compiles its steps once, writes `ready`, then
-waits for requests. The parent writes request k as `req.k` (JSON); every rank runs it (the
-steps all-reduce) and rank 0 answers in `res.k`. So configurations that cannot share a process
-run interleaved, round after round, paying start-up and compilation once. On shared cores
-another job can halve a measurement for seconds: variants run back to back inside a round
-(A B C, then C B A) see about the same load, so ratios taken within a round are far steadier
-than ratios of separate medians. No jax or torch here: both kinds of worker import this.
+Each configuration lives in its own processes for the whole run: it compiles once, writes
+`ready`, then serves requests: the parent writes `req.k` (JSON), every rank runs it (the steps
+all-reduce), rank 0 answers in `res.k`. Configurations that cannot share a process thus run
+interleaved, A B C then C B A, so variants in one round see about the same load on shared cores.
+No jax or torch here: both kinds of worker import this.
 """
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ import resource
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
 
 
 def write_json(path: str, obj) -> None:
@@ -27,8 +23,8 @@ def write_json(path: str, obj) -> None:
     os.replace(f"{path}.tmp{os.getpid()}", path)
 
 
-def _wait_for(path: str, timeout: float, alive: Callable[[], bool] = lambda: True) -> dict:
-    """Poll for a JSON file; TimeoutError, or RuntimeError if `alive()` turns False."""
+def _wait_for(path: str, timeout: float, alive=lambda: True) -> dict:
+    """Poll for a JSON file; TimeoutError, or RuntimeError once `alive()` is False."""
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if not alive():
@@ -40,9 +36,9 @@ def _wait_for(path: str, timeout: float, alive: Callable[[], bool] = lambda: Tru
         return json.load(f)
 
 
-def timed(run: Callable[[], None], steps: int, global_batch: int) -> dict:
-    """Wall seconds and samples of `run()` (`steps` steps), and per step this process's minor
-    page faults and user / system CPU milliseconds."""
+def timed(run, steps: int, global_batch: int) -> dict:
+    """Seconds and samples of `run()` (`steps` steps), and per step this process's minor page
+    faults and user / system CPU milliseconds."""
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     run()
     seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
@@ -52,10 +48,9 @@ def timed(run: Callable[[], None], steps: int, global_batch: int) -> dict:
             "sys_ms_per_step": (after.ru_stime - before.ru_stime) * 1e3 / steps}
 
 
-def serve(control: str, handlers: Mapping[str, Callable[[dict], dict]], primary: bool,
-          info: dict) -> None:
-    """The worker side: announce `info` in `ready`, then run `handlers[request["op"]]` on
-    every rank until a "stop" request; the primary rank answers (its result or error)."""
+def serve(control: str, handlers: dict, primary: bool, info: dict) -> None:
+    """The worker side: announce `info`, then run `handlers[request["op"]]` on every rank until
+    a "stop" request; the primary rank answers with the result or the error."""
     if primary:
         write_json(os.path.join(control, "ready"), info)
     for k in range(10**9):
@@ -75,13 +70,12 @@ def serve(control: str, handlers: Mapping[str, Callable[[dict], dict]], primary:
 class Worker:
     """The parent side: one benchmark job (one or several processes) and its requests."""
 
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], control: str,
-                 cwd: str):
-        """Start `argv` (whose workers serve `control`) with its output in `control`/log."""
+    def __init__(self, name: str, argv: list, env: dict, control: str, cwd: str):
+        """Start `argv`, whose ranks serve `control`, logging to `control`/log."""
         self.name, self.control, self.k, self.info = name, control, 0, {}
         os.makedirs(control, exist_ok=True)
         self.log = open(os.path.join(control, "log"), "w")
-        self.proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdout=self.log,
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def _wait(self, name: str, timeout: float) -> dict:
@@ -120,10 +114,10 @@ class Worker:
         self.log.close()
 
 
-def interleave(measure: Callable[[str], float], keys: Sequence[str], rounds: int) -> dict:
-    """`measure(key)` for every key, `rounds` times, forward in even rounds and reversed in
-    odd ones; element r of each key's list comes from round r."""
-    samples: dict[str, list[float]] = {k: [] for k in keys}
+def interleave(measure, keys: list, rounds: int) -> dict:
+    """`measure(key)` for every key, `rounds` times, forward in even rounds and reversed in odd
+    ones; element r of each key's list comes from round r."""
+    samples = {k: [] for k in keys}
     for r in range(rounds):
         for key in keys[:: 1 if r % 2 == 0 else -1]:
             samples[key].append(measure(key))

@@ -1,18 +1,15 @@
-"""The benchmark jobs: command lines and environments, one function per kind of job.
+"""The benchmark jobs: one command line and environment per configuration.
 
-Each runs a worker (`benchmarks.worker` or `benchmarks.torch_ddp`) serving requests in its own
-control directory (`benchmarks.harness`). `malloc="default"` jobs run with
-`JDP_MALLOC_TUNING=0` (glibc's defaults); "tuned" jobs get jdp's allocator settings
-(`jdp._malloc.ENV`, which glibc reads at start; `jdp.initialize()` applies the same).
+"default" jobs run with glibc's malloc defaults (`JDP_MALLOC_TUNING=0`), "tuned" ones with
+jdp's allocator settings (`jdp._malloc.ENV`, read by glibc at start, as the launcher sets them).
 """
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 from typing import NamedTuple
 
-from jdp._env import RANK_VARS  # the launcher's variable names: cleared for every job
+from jdp._env import RANK_VARS
 from jdp._malloc import ENV as MALLOC_ENV
 from jdp._net import free_port
 
@@ -21,13 +18,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class Job(NamedTuple):
     name: str
-    control: str   # its directory of requests and answers
+    control: str  # its directory of requests and answers (`benchmarks.harness`)
     argv: list
     env: dict
 
 
 def base_env(malloc: str = "default", **extra: str) -> dict:
-    """This environment without launcher variables or device flags, CPU only, the repository
+    """This environment, CPU only, without launcher variables or device flags, the repository
     importable, and the allocator as asked."""
     env = {k: v for k, v in os.environ.items()
            if k not in (*RANK_VARS, "XLA_FLAGS", "OMP_NUM_THREADS", *MALLOC_ENV)}
@@ -38,31 +35,39 @@ def base_env(malloc: str = "default", **extra: str) -> dict:
 
 
 def device_flags(devices: int) -> str:
-    """XLA_FLAGS for `devices` simulated CPU devices (read when jax starts)."""
+    """XLA_FLAGS for `devices` simulated CPU devices."""
     return f"--xla_force_host_platform_device_count={devices}"
 
 
-def jax_job(name: str, root: str, devices: int, variants: Sequence[str], malloc: str) -> Job:
-    """One process with `devices` simulated CPU devices."""
-    control = os.path.join(root, name)
-    return Job(name, control, [sys.executable, "-m", "benchmarks.worker", control,
-                               ",".join(variants)],
-               base_env(malloc, XLA_FLAGS=device_flags(devices)))
+def job(name: str, root: str, kind: str, malloc: str, variants=("jdp",), devices=2) -> Job:
+    """`kind` "jax" (one process, `devices` devices), "launch" (`jdp.launch`, 2 processes x 1
+    device) or "torch" (PyTorch DDP under torchrun, 2 ranks x 1 thread), all over gloo."""
+    control, port = os.path.join(root, name), str(free_port())
+    worker = ["-m", "benchmarks.worker", control, ",".join(variants)]
+    argv, env = {
+        "jax": (worker, {"XLA_FLAGS": device_flags(devices)}),
+        "launch": (["-m", "jdp.launch", "--nproc_per_node", "2", "--devices_per_process", "1",
+                    "--master_port", port, *worker], {}),
+        "torch": (["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                   "--master_addr", "127.0.0.1", "--master_port", port,
+                   "-m", "benchmarks.torch_ddp", control], {"OMP_NUM_THREADS": "1"})}[kind]
+    return Job(name, control, [sys.executable, *argv], base_env(malloc, **env))
 
 
-def launch_job(name: str, root: str, variants: Sequence[str], malloc: str) -> Job:
-    """Two processes of 1 device each under jdp's launcher (gloo)."""
-    control = os.path.join(root, name)
-    return Job(name, control, [sys.executable, "-m", "jdp.launch", "--nproc_per_node", "2",
-                               "--devices_per_process", "1", "--master_port", str(free_port()),
-                               "-m", "benchmarks.worker", control, ",".join(variants)],
-               base_env(malloc))
+def plan(root: str, malloc_scaling: bool, torch: bool) -> list[Job]:
+    """Every job of a run, with glibc's malloc, then tuned (1, 4, 8 devices if `malloc_scaling`)."""
+    out = []
+    for tag, malloc in (("", "default"), ("+malloc", "tuned")):
+        for k in (1, 2, 4, 8) if malloc_scaling or not tag else (2,):
+            variants = ("jdp", "hand", "shardmap", "maxpool", "global") if k == 2 else ("jdp",)
+            out.append(job(f"{k}dev{tag}", root, "jax", malloc, variants, devices=k))
+        out.append(job(f"2proc{tag}", root, "launch", malloc, ("jdp", "global")))
+        out += [job(f"torch{tag}", root, "torch", malloc)] if torch else []
+    return out
 
 
-def torch_job(name: str, root: str, malloc: str) -> Job:
-    """Two PyTorch DDP ranks of 1 thread each under torchrun (gloo)."""
-    control = os.path.join(root, name)
-    return Job(name, control, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                               "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                               "--master_port", str(free_port()), "-m", "benchmarks.torch_ddp",
-                               control], base_env(malloc, OMP_NUM_THREADS="1"))
+def command_line(job: Job) -> str:
+    """The job as a reader would type it: the variables that set it apart, then the command."""
+    shown = ("XLA_FLAGS", "OMP_NUM_THREADS", "JDP_MALLOC_TUNING", *MALLOC_ENV)
+    return " ".join([*(f"{k}={job.env[k]}" for k in shown if k in job.env), "python",
+                     *job.argv[1:]])

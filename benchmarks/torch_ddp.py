@@ -2,10 +2,9 @@
 
     python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.torch_ddp CONTROL_DIR
 
-Each rank: 1 thread, gloo, `DistributedDataParallel` over the example's CNN (BatchNorm momentum
-0.1 = flax's 0.9), SGD momentum 0.9 at lr 0.05, 64 uint8 images per rank scaled in the forward
-pass as the JAX model does; DDP's usual loop (zero_grad, forward, backward with the gradient
-all-reduce, step). Answers "time" requests through `benchmarks.harness`.
+Each rank: 1 thread, gloo, `DistributedDataParallel` over the example's CNN in PyTorch's usual
+form (NCHW, max_pool2d; BatchNorm momentum 0.1 = flax's 0.9), SGD momentum 0.9 at lr 0.05, 64
+uint8 images per rank scaled as the JAX model does, DDP's usual loop. Answers "time" requests.
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import harness
@@ -22,20 +20,13 @@ from benchmarks import harness
 PER_RANK = 64
 
 
-class CNN(nn.Module):
-    """The example's CNN in PyTorch's usual form (NCHW, max_pool2d, BatchNorm2d)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32, momentum=0.1)
-        self.conv2, self.bn2 = nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64, momentum=0.1)
-        self.fc1, self.fc2 = nn.Linear(64 * 7 * 7, 128), nn.Linear(128, 10)
-
-    def forward(self, images):
-        x = images.float() / 255.0
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+def cnn() -> nn.Module:
+    """conv32-BN-relu-pool, conv64-BN-relu-pool, dense128, dense10."""
+    def block(cin: int, cout: int) -> list:
+        return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout, momentum=0.1),
+                nn.ReLU(), nn.MaxPool2d(2)]
+    return nn.Sequential(*block(1, 32), *block(32, 64), nn.Flatten(), nn.Linear(64 * 7 * 7, 128),
+                         nn.ReLU(), nn.Linear(128, 10))
 
 
 def main(control: str) -> None:
@@ -43,7 +34,7 @@ def main(control: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(CNN())
+    model = nn.parallel.DistributedDataParallel(cnn())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     rng = np.random.default_rng(dist.get_rank())
     images = torch.from_numpy(rng.integers(0, 256, (PER_RANK, 1, 28, 28), dtype=np.uint8))
@@ -52,7 +43,7 @@ def main(control: str) -> None:
     def steps(n: int) -> None:
         for _ in range(n):
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(images), labels).backward()
+            nn.functional.cross_entropy(model(images.float() / 255.0), labels).backward()
             opt.step()
 
     def time(request: dict) -> dict:  # after one untimed step that lines the ranks up

@@ -1,10 +1,9 @@
 """Optimizer-state sharding (ZeRO-1) against replication: memory, collective traffic, time.
 
-An MLP of three square tanh layers (~50M parameters in the full suite) with Adam, on 1, 2, 4
-and 8 simulated devices, each count in a fresh process (`python -m benchmarks.zero PARAMS`
-prints one JSON line). Per device: optimizer-state bytes from the arrays' shardings, the
-compiled step's arguments and scratch from `memory_analysis()`, collective bytes from its HLO,
-and ms per step, `jdp.train_step` replicated and with `shard_optimizer=True` alternated.
+An MLP of three square tanh layers with Adam; each device count in a fresh process
+(`python -m benchmarks.zero PARAMS` prints one JSON line). Per device: optimizer-state bytes
+from the shardings, arguments and scratch from `memory_analysis()`, collectives from the HLO,
+and ms per step, replicated and `shard_optimizer=True` alternated.
 """
 from __future__ import annotations
 
@@ -38,10 +37,9 @@ def _build(params: int, shard: bool, per_device: int = 8) -> dict:
     weights = {f"w{i}": rng.standard_normal((d, d), np.float32) / d ** 0.5 for i in range(3)}
     data = {k: rng.standard_normal((size, d), np.float32) for k in ("x", "y")}
     batch = next(iter(jdp.data.Loader(data, size, layout="global")))
-    opts = {"shard_optimizer": True} if shard else {}
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=weights,
-                                                tx=optax.adam(1e-4)), **opts)
-    step = jdp.train_step(_loss, **opts)
+                                                tx=optax.adam(1e-4)), shard_optimizer=shard)
+    step = jdp.train_step(_loss, shard_optimizer=shard)
     compiled = step.lower(state, batch).compile()
     memory, found = compiled.memory_analysis(), hlo.collectives(compiled.as_text())
     return {"step": step, "state": state, "batch": batch, "figures": {
@@ -62,56 +60,43 @@ def _ms_per_step(b: dict, steps: int) -> float:
 
 
 def measure(params: int, steps: int = 2, rounds: int = 2) -> dict:
-    """Both modes' figures on this process's devices; a "note" says what could not run."""
-    if not hasattr(jdp, "broadcast"):
-        return {"note": "this jdp has no `jdp.broadcast`"}
-    built, out = {}, {}
-    for mode in ("replicated", "sharded"):
-        try:
-            built[mode] = _build(params, shard=mode == "sharded")
-        except TypeError as e:  # no shard_optimizer= keyword in this jdp
-            out["note"] = f"no `shard_optimizer=True` in this jdp ({e})"
+    """Both modes' figures on this process's devices, the two timed alternately."""
+    built = {mode: _build(params, shard=mode == "sharded") for mode in ("replicated", "sharded")}
     times = {mode: [] for mode in built}
     for r in range(rounds):
         for mode in list(built)[:: 1 if r % 2 == 0 else -1]:
             times[mode].append(_ms_per_step(built[mode], steps))
-    return {**out, **{m: {**b["figures"], "ms": statistics.median(times[m])}
-                      for m, b in built.items()}}
+    return {m: {**b["figures"], "ms": statistics.median(times[m])} for m, b in built.items()}
 
 
-def _row(n: int, rep: dict, sh: dict | None) -> list:
+def _row(n: int, rep: dict, sh: dict) -> list:
     """One device count's row; pairs are "replicated / sharded", bytes in MiB per device."""
-    def pair(key: str, scale: float = 2**20, digits: int = 1) -> str:
-        return " / ".join(report.fmt(x[key] / scale, digits) if x else "n/a" for x in (rep, sh))
-    return [n, f"{rep['params']:,}", pair("opt"),
-            report.fmt(sh["opt"] / rep["opt"], 3) if sh else "n/a", f"{1 / n:.3f}",
-            pair("argument"), pair("temp"), pair("all-reduce"),
-            " + ".join(report.fmt(sh[k] / 2**20, 1) if sh else "n/a"
-                       for k in ("reduce-scatter", "all-gather")), pair("ring"), pair("ms", 1),
-            report.fmt(rep["ms"] / sh["ms"]) if sh else "n/a"]
+    def pair(key: str, scale: float = 2**20) -> str:
+        return " / ".join(report.fmt(x[key] / scale, 1) for x in (rep, sh))
+    return [n, f"{rep['params']:,}", pair("opt"), report.fmt(sh["opt"] / rep["opt"], 3),
+            f"{1 / n:.3f}", pair("argument"), pair("temp"), pair("all-reduce"),
+            " + ".join(report.fmt(sh[k] / 2**20, 1) for k in ("reduce-scatter", "all-gather")),
+            pair("ring"), pair("ms", 1), report.fmt(rep["ms"] / sh["ms"])]
 
 
 def table(r: dict) -> str:
     """Per device count (one fresh process each): replicated against sharded optimizer state."""
-    rows, notes = [], set()
+    rows, failed = [], []
     for n in r["settings"]["zero_devices"]:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.zero",
                                str(r["settings"]["zero_params"])], cwd=jobs.REPO, text=True,
                               env=jobs.base_env("tuned", XLA_FLAGS=jobs.device_flags(n)),
                               capture_output=True, timeout=1200)
-        c = json.loads(proc.stdout.splitlines()[-1]) if proc.returncode == 0 else {
-            "note": f"failed: {proc.stderr.strip()[-300:]}"}
-        notes |= {c["note"]} if "note" in c else set()
-        if "replicated" in c:
-            rows.append(_row(n, c["replicated"], c.get("sharded")))
-    text = "".join(f"\n- {note}" for note in sorted(notes))
-    if not rows:
-        return f"Skipped:{text}\n"
+        if proc.returncode:
+            failed.append(f"\n- {n} devices failed: {proc.stderr.strip()[-300:]}")
+            continue
+        c = json.loads(proc.stdout.splitlines()[-1])
+        rows.append(_row(n, c["replicated"], c["sharded"]))
     return report.table(
         ["devices", "parameters", "opt state MiB (shardings)", "sharded / replicated", "1/N",
          "step arguments MiB (memory_analysis)", "step scratch MiB", "all-reduce MiB (HLO)",
          "sharded: reduce-scatter + all-gather MiB", "ring MiB sent", "ms / step",
-         "speed sharded / replicated"], rows) + (f"\nNotes:{text}\n" if text else "")
+         "speed sharded / replicated"], rows) + "".join(failed)
 
 
 if __name__ == "__main__":

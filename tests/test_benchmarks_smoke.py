@@ -21,7 +21,7 @@ NUMBER = re.compile(r"-?\d[\d,]*\.?\d*(?:e[-+]?\d+)?")
 
 
 class InProcess:
-    """A `protocol.Worker` stand-in: requests go straight to a `worker.Bench`."""
+    """A `harness.Worker` stand-in: requests go straight to a `worker.Bench`."""
 
     def __init__(self, bench):
         self.bench, self.info = bench, {"variants": list(bench.variants)}
@@ -35,10 +35,10 @@ def results():
     from benchmarks import run, worker
     bench = InProcess(worker.Bench(["jdp", "hand", "shardmap", "maxpool", "global"],
                                    per_device=2))
-    settings = run.Settings(rounds=2, target_s=0.01, loader_batches=2, malloc_scaling=False,
-                            profile=True, zero_params=3000, zero_devices=(2,))
+    settings = dict(rounds=2, target_s=0.01, loader_batches=2, malloc_scaling=False,
+                    profile=True, zero_params=3000, zero_devices=(2,))
     r = run.measure({"2dev": bench, "2dev+malloc": bench}, settings)
-    return {**r, "settings": settings._asdict(), "generated": "now", "command": "pytest",
+    return {**r, "settings": settings, "generated": "now", "command": "pytest",
             "started": 0.0, "load_before": (0, 0, 0), "notes": ["a note"],
             "commands": {"2dev": "python -m benchmarks.worker"}}
 
@@ -143,15 +143,6 @@ def test_collective_parser_reads_tuple_async_and_sharded_forms():
                "reduce-scatter": hlo.Collective(), "all-gather": hlo.Collective()}
     sharded = {**found, "all-reduce": hlo.Collective()}
     assert hlo.ring_bytes(only_ar, 2) == hlo.ring_bytes(sharded, 2) == 40
-
-
-def test_input_pipeline_hook_calls_the_data_benchmarks_table(monkeypatch):
-    from benchmarks import run
-    fake = types.SimpleNamespace(table=lambda: "| a |\n| --- |\n| 1 |\n")
-    monkeypatch.setitem(sys.modules, "benchmarks.bench_input", fake)
-    assert run.input_pipeline({}) == fake.table()
-    monkeypatch.setitem(sys.modules, "benchmarks.bench_input", types.SimpleNamespace())
-    assert run.input_pipeline({}).startswith("Skipped")
 
 
 def test_protocol_round_trip_with_a_child_process(tmp_path):
