@@ -60,6 +60,57 @@ def port() -> int:
     return free_port()
 
 
+def finish(procs, timeout: float) -> list:
+    """Wait for every process (`timeout` s each) and return what each wrote to stdout.
+
+    Whatever still runs on the way out (a timeout, an error) is killed and reaped, so a failing
+    test leaves no process behind.
+    """
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def run_ranks(args, timeout: float, nprocs: int = 2, devices: int = 2, **extra: str):
+    """Run `python args...` as ranks 0..nprocs-1 of one job without a launcher.
+
+    Each rank gets `devices` simulated devices and MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, as
+    torchrun would set them, plus `extra`; stdout and stderr are merged. Returns the exit codes
+    and the logs (see finish for the timeout and the clean-up).
+    """
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, *map(str, args)], cwd=REPO,
+        env=child_env(devices=devices, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                      WORLD_SIZE=str(nprocs), RANK=str(rank), **extra),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(nprocs)]
+    logs = finish(procs, timeout)
+    return [p.returncode for p in procs], logs
+
+
+def assert_one_line(error, words) -> None:
+    """A user mistake is reported in one line that names every word (the offending values)."""
+    message = str(error)
+    assert "\n" not in message, message
+    for word in words:
+        assert word in message, (word, message)
+
+
+def one_line_error(error, words, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` raises `error` with a one-line message naming every word.
+
+    Returns the exception, for further checks.
+    """
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    assert_one_line(info.value, words)
+    return info.value
+
+
 # --- multi-process jobs (launcher, spawn): tag every process, find leftovers ---------------
 
 TAG_ENV = "JDP_TEST_TAG"
@@ -121,3 +172,39 @@ def tag() -> str:
     value = uuid.uuid4().hex
     yield value
     wait_until_gone(value, timeout=5.0)
+
+
+@pytest.fixture
+def tagged(monkeypatch, tag):
+    """For jobs started in this process (jdp.spawn): children inherit our environment, so tag
+    it, clear launcher variables, and let them import the tests' modules (_spawn_targets)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for name, value in job_env(tag).items():
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.syspath_prepend(tests)
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + REPO)
+    return tag
+
+
+# A 2-rank job whose rank 1 leaves at step 5 while rank 0 runs collectives: with MODE=exit by
+# sys.exit(3), else by raising RuntimeError. It prints "LEAVING <time.time()>" to stderr first,
+# so a test can time how fast the whole job ends (jdp.launch, mpirun, srun).
+RANK_1_LEAVES = """
+import os, sys, time
+import jax, numpy as np
+import jdp
+
+jdp.initialize()
+assert jax.process_count() == 2, jax.process_count()
+step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
+x = np.ones(jax.local_device_count(), np.float32)
+for step in range(10**6):                      # rank 0 keeps running collectives
+    if jax.process_index() == 1 and step == 5:
+        print(f"LEAVING {time.time()!r}", file=sys.stderr, flush=True)
+        if os.environ["MODE"] == "exit":
+            sys.exit(3)
+        raise RuntimeError("boom from rank 1")
+    step_fn(x).block_until_ready()
+"""

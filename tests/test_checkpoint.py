@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from _checkpoint_child import Net, host_leaves, make_state
-from conftest import REPO, child_env, free_port, run_python
+from conftest import REPO, child_env, run_python, run_ranks
 
 import jdp
 from jdp.checkpoint import Checkpointer
@@ -213,19 +213,10 @@ def test_a_checkpoint_saved_on_8_devices_restores_on_2(tmp_path):
 
 
 def test_two_processes_save_one_copy_and_restore_the_same_values(tmp_path):
-    directory, out, port = tmp_path / "ckpt", tmp_path / "result", free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, CHILD, "two_process", str(directory), str(out)], cwd=REPO,
-        env=child_env(devices=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-                      RANK=str(rank), JDP_SHUTDOWN_TIMEOUT="30"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    try:
-        logs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], logs
+    directory, out = tmp_path / "ckpt", tmp_path / "result"
+    codes, logs = run_ranks([CHILD, "two_process", directory, out], timeout=90,
+                            JDP_SHUTDOWN_TIMEOUT="30")
+    assert codes == [0, 0], logs
     results = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in range(2)]
     process0 = np.arange(6, dtype=np.float32).reshape(2, 3)  # what process 0 held
     for r in results:

@@ -6,7 +6,7 @@ import statistics
 import subprocess
 import sys
 
-from conftest import REPO, job_env, wait_until_gone
+from conftest import REPO, finish, job_env, wait_until_gone
 
 CHILD = os.path.join(REPO, "tests", "_checkpoint_concurrency_child.py")
 SECONDS = 20
@@ -19,13 +19,7 @@ def test_a_reader_in_a_loop_never_fails_a_save_nor_restores_a_partial_checkpoint
          str(SECONDS)], cwd=REPO, env=job_env(tag, devices=2),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for mode in ("trainer", "reader")}
-    try:
-        logs = {mode: p.communicate(timeout=SECONDS + 90)[0] for mode, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    logs = dict(zip(procs, finish(list(procs.values()), timeout=SECONDS + 90), strict=True))
     wait_until_gone(tag, timeout=10)
     assert [p.returncode for p in procs.values()] == [0, 0], logs
     trainer = json.loads((tmp_path / "trainer.json").read_text())

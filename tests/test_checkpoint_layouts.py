@@ -1,15 +1,13 @@
 """A checkpoint holds one logical copy: it restores bitwise into the global or the stacked
 layout, whichever layout saved it, on 8 devices, 2 devices, and 2 processes x 2 devices."""
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _checkpoint_child import busy_state, global_state, host_leaves, make_state
-from conftest import REPO, child_env, free_port, run_python
+from conftest import REPO, child_env, run_python, run_ranks
 
 import jdp
 from jdp._mesh import replicated
@@ -77,20 +75,10 @@ def test_a_global_checkpoint_from_8_devices_restores_on_2_in_both_layouts(tmp_pa
 
 
 def test_two_processes_save_a_global_state_that_restores_anywhere(tmp_path):
-    directory, out, port = tmp_path / "ckpt", tmp_path / "result", free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, CHILD, "two_process_global", str(directory), str(out)], cwd=REPO,
-        env=child_env(devices=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-                      RANK=str(rank), JDP_SHUTDOWN_TIMEOUT="30"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    assert [p.returncode for p in procs] == [0, 0], logs
+    directory, out = tmp_path / "ckpt", tmp_path / "result"
+    codes, logs = run_ranks([CHILD, "two_process_global", directory, out], timeout=120,
+                            JDP_SHUTDOWN_TIMEOUT="30")
+    assert codes == [0, 0], logs
     for rank in range(2):
         got = np.load(f"{out}.{rank}.npz")
         for name, want in SAVED.items():

@@ -171,7 +171,7 @@ def test_without_the_launcher_a_raising_rank_still_exits_at_once(tmp_path, tag):
     finally:
         for p in procs:
             p.kill()
-            p.communicate()
+            p.communicate(timeout=10)
 
 
 def test_get_logger_is_safe_before_initialize_and_idempotent():

@@ -11,30 +11,12 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, child_env, wait_until_gone, write_script
+from conftest import RANK_1_LEAVES, REPO, child_env, wait_until_gone, write_script
 from test_fault_preemption import LOOP as PREEMPTION_LOOP
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI, Debian package "
                                 "openmpi-bin) is not installed")
-
-EXITING = """
-import os, sys, time
-import jax, numpy as np
-import jdp
-
-jdp.initialize()
-assert jax.process_count() == 2, jax.process_count()
-step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
-x = np.ones(jax.local_device_count(), np.float32)
-for step in range(10**6):                      # rank 0 keeps running collectives
-    if jax.process_index() == 1 and step == 5:
-        print(f"LEAVING {time.time()!r}", file=sys.stderr, flush=True)
-        if os.environ["MODE"] == "exit":
-            sys.exit(3)
-        raise RuntimeError("boom from rank 1")
-    step_fn(x).block_until_ready()
-"""
 
 
 def mpirun(script, tag, mode):
@@ -47,7 +29,7 @@ def mpirun(script, tag, mode):
 
 @pytest.mark.parametrize("mode, code", [("exit", 3), ("raise", 1)])
 def test_a_failing_rank_ends_an_mpirun_job_with_its_code(tmp_path, tag, mode, code):
-    script = write_script(tmp_path, "job.py", EXITING)
+    script = write_script(tmp_path, "job.py", RANK_1_LEAVES)
     done = mpirun(script, tag, mode)
     ended = time.time()
     assert "LEAVING" in done.stderr, done.stdout + done.stderr

@@ -11,8 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, child_env, wait_until_gone, write_script
-from test_fault_mpirun import EXITING
+from conftest import RANK_1_LEAVES, REPO, child_env, wait_until_gone, write_script
 
 SRUN = shutil.which("srun")
 
@@ -35,7 +34,7 @@ pytestmark = pytest.mark.skipif(not slurm_ready(), reason="no running SLURM (sru
 
 @pytest.mark.parametrize("mode, code", [("exit", 3), ("raise", 1)])
 def test_a_failing_rank_ends_an_srun_job_with_its_code(tmp_path, tag, mode, code):
-    script = write_script(tmp_path, "job.py", EXITING)
+    script = write_script(tmp_path, "job.py", RANK_1_LEAVES)
     env = child_env(JDP_TEST_TAG=tag, MODE=mode)
     done = subprocess.run([SRUN, "-n", "2", "--overcommit", sys.executable, script], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=120)

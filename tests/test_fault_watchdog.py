@@ -5,12 +5,11 @@ sleeps forever before step 6. With --progress_timeout 10 the launcher must stop 
 within 25 s of the stall, name rank 1 with its step and phase, show the line of its sleep,
 and leave no process behind.
 """
-import os
 import time
 
 import _spawn_targets as targets
 import pytest
-from conftest import REPO, job_env, start_launcher, wait_until_gone, write_script
+from conftest import job_env, start_launcher, wait_until_gone, write_script
 
 import jdp
 from jdp import _progress, _watchdog
@@ -59,17 +58,6 @@ def test_no_progress_before_the_first_record_is_not_a_stall(tmp_path, tag):
                           job_env(tag))
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-
-
-@pytest.fixture
-def tagged(monkeypatch, tag):
-    for name, value in job_env(tag).items():
-        monkeypatch.setenv(name, value)
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.syspath_prepend(os.path.dirname(__file__))
-    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__) + os.pathsep + REPO)
-    return tag
 
 
 def test_spawn_raises_timeout_error_naming_the_stuck_rank(tagged):

@@ -1,7 +1,8 @@
 """`python -m jdp.launch`: real processes on 127.0.0.1 forming one JAX job, and fail-fast.
 
 Every job is tagged (JDP_TEST_TAG) so each test can check that none of its processes remain.
-Times asserted here are generous upper bounds from the brief; the measured ones are printed.
+Times asserted here are generous upper bounds (the machines are shared); the measured ones
+are printed.
 """
 import json
 import signal
@@ -11,6 +12,7 @@ import time
 
 import pytest
 from conftest import (
+    RANK_1_LEAVES,
     free_port,
     job_env,
     start_launcher,
@@ -157,28 +159,12 @@ def test_two_launchers_form_one_four_process_job(tmp_path, tag):
     assert "RESULT" in (tmp_path / "logs" / "rank.3" / "stdout").read_text()
 
 
-FAILING = """
-import os, sys, time
-import jax, numpy as np
-import jdp
-
-jdp.initialize()
-step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
-x = np.ones(jax.local_device_count(), np.float32)
-for step in range(10**6):                          # rank 0 keeps running collectives
-    if jax.process_index() == 1 and step == 5:
-        print(f"LEAVING {time.time()!r}", file=sys.stderr, flush=True)
-        if os.environ["MODE"] == "exit":
-            sys.exit(3)
-        raise RuntimeError("boom from rank 1")
-    step_fn(x).block_until_ready()
-"""
 
 
 @pytest.mark.parametrize("mode, code, text", [("exit", 3, "exit code 3"),
                                               ("raise", 1, "RuntimeError: boom from rank 1")])
 def test_a_failing_rank_stops_the_job_with_its_exit_code(tmp_path, tag, mode, code, text):
-    script = write_script(tmp_path, "fail.py", FAILING)
+    script = write_script(tmp_path, "fail.py", RANK_1_LEAVES)
     proc = start_launcher(["--nproc_per_node", 2, script], job_env(tag, MODE=mode))
     out, err = proc.communicate(timeout=TIMEOUT)
     ended = time.time()

@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import one_line_error
 
 from jdp.data import DistributedSampler, Loader
 
@@ -280,15 +281,6 @@ def test_a_stuck_source_raises_timeout_instead_of_hanging(source):
     with pytest.raises(TimeoutError, match="timeout=0.1"):
         next(iter(loader))
     assert wait_no_prefetch_threads() == []
-
-
-def one_line_error(error, words, fn, *args, **kwargs):
-    with pytest.raises(error) as info:
-        fn(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message, message
-    for word in words:
-        assert word in message, (word, message)
 
 
 def test_fields_of_different_lengths_are_rejected_naming_them():

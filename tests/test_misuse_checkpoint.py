@@ -1,6 +1,7 @@
 """Checkpoint misuse: each mistake is a one-line error of the right type naming the value."""
 import numpy as np
 import pytest
+from conftest import assert_one_line
 
 import jdp
 from jdp.checkpoint import Checkpointer
@@ -8,14 +9,6 @@ from jdp.checkpoint import Checkpointer
 
 def state(**extra):
     return jdp.replicate({"w": np.arange(6, dtype=np.float32).reshape(2, 3), **extra})
-
-
-def check(info, *names):
-    """The message is one line and names every offending value."""
-    message = str(info.value)
-    assert "\n" not in message, message
-    for name in names:
-        assert name in message, (name, message)
 
 
 @pytest.fixture
@@ -30,7 +23,7 @@ def test_a_directory_that_is_a_file(tmp_path):
     path.write_text("not a directory")
     with pytest.raises(ValueError) as info:
         Checkpointer(path)
-    check(info, repr(str(path)), "is a file")
+    assert_one_line(info.value, [repr(str(path)), "is a file"])
 
 
 def test_a_directory_below_a_file_fails_at_save_naming_it(tmp_path):
@@ -39,41 +32,41 @@ def test_a_directory_below_a_file_fails_at_save_naming_it(tmp_path):
     assert ckpt.latest_step() is None  # nothing there to read: not an error
     with pytest.raises(ValueError) as info:
         ckpt.save(1, state())
-    check(info, str(tmp_path / "taken" / "ckpt"), "cannot create")
+    assert_one_line(info.value, [str(tmp_path / "taken" / "ckpt"), "cannot create"])
 
 
 @pytest.mark.parametrize("bad", [0, -2, "3", 2.0, True])
 def test_bad_max_to_keep(tmp_path, bad):
     with pytest.raises(ValueError) as info:
         Checkpointer(tmp_path, max_to_keep=bad)
-    check(info, f"max_to_keep={bad!r}")
+    assert_one_line(info.value, [f"max_to_keep={bad!r}"])
 
 
 @pytest.mark.parametrize("bad", [0, -1, "10"])
 def test_bad_timeout(tmp_path, bad):
     with pytest.raises(ValueError) as info:
         Checkpointer(tmp_path, timeout_s=bad)
-    check(info, f"timeout_s={bad!r}")
+    assert_one_line(info.value, [f"timeout_s={bad!r}"])
 
 
 @pytest.mark.parametrize("bad", ["5", 1.5, None, True, np.float32(2)])
 def test_a_step_that_is_not_an_integer(ckpt, bad):
     with pytest.raises(TypeError) as info:
         ckpt.save(bad, state())
-    check(info, f"step={bad!r}")
+    assert_one_line(info.value, [f"step={bad!r}"])
 
 
 def test_a_negative_step(ckpt):
     with pytest.raises(ValueError) as info:
         ckpt.save(-1, state())
-    check(info, "step=-1", ">= 0")
+    assert_one_line(info.value, ["step=-1", ">= 0"])
 
 
 @pytest.mark.parametrize("step", [5, 3])
 def test_a_step_that_does_not_increase(ckpt, step):
     with pytest.raises(ValueError) as info:
         ckpt.save(step, state())
-    check(info, f"step {step} is not after the latest checkpoint 5")
+    assert_one_line(info.value, [f"step {step} is not after the latest checkpoint 5"])
 
 
 def test_a_numpy_or_jax_integer_step_is_fine(ckpt):
@@ -85,42 +78,43 @@ def test_a_numpy_or_jax_integer_step_is_fine(ckpt):
 def test_restore_of_a_step_that_does_not_exist(ckpt):
     with pytest.raises(ValueError) as info:
         ckpt.restore(state(), step=4)
-    check(info, "no checkpoint for step 4", "saved steps: [5]")
+    assert_one_line(info.value, ["no checkpoint for step 4", "saved steps: [5]"])
 
 
 @pytest.mark.parametrize("bad", ["5", 5.0])
 def test_restore_of_a_step_that_is_not_an_integer(ckpt, bad):
     with pytest.raises(TypeError) as info:
         ckpt.restore(state(), step=bad)
-    check(info, f"step={bad!r}")
+    assert_one_line(info.value, [f"step={bad!r}"])
 
 
 def test_restore_into_a_differently_shaped_state(ckpt):
     with pytest.raises(ValueError) as info:
         ckpt.restore(jdp.replicate({"w": np.zeros((3, 2), np.float32)}))
-    check(info, "w: checkpoint has shape (2, 3), state has (3, 2)")
+    assert_one_line(info.value, ["w: checkpoint has shape (2, 3), state has (3, 2)"])
 
 
 def test_restore_into_a_different_dtype(ckpt):
     with pytest.raises(ValueError) as info:
         ckpt.restore(jdp.replicate({"w": np.zeros((2, 3), np.int32)}))
-    check(info, "w: checkpoint has dtype float32, state has int32", "then cast")
+    assert_one_line(info.value,
+                    ["w: checkpoint has dtype float32, state has int32", "then cast"])
 
 
 def test_restore_into_a_state_with_an_extra_or_a_missing_leaf(ckpt):
     with pytest.raises(ValueError) as info:
         ckpt.restore(state(b=np.zeros(2, np.float32)))
-    check(info, "missing in checkpoint: b")
+    assert_one_line(info.value, ["missing in checkpoint: b"])
     with pytest.raises(ValueError) as info:
         ckpt.restore(jdp.replicate({"v": np.zeros((2, 3), np.float32)}))
-    check(info, "missing in checkpoint: v")
+    assert_one_line(info.value, ["missing in checkpoint: v"])
 
 
 def test_restore_with_a_loader_of_a_checkpoint_saved_without_one(ckpt):
     loader = jdp.data.Loader({"x": np.arange(16, dtype=np.float32)}, batch_size=8)
     with pytest.raises(ValueError) as info:
         ckpt.restore(state(), loader=loader)
-    check(info, "checkpoint 5", "holds no loader position", "loader=None")
+    assert_one_line(info.value, ["checkpoint 5", "holds no loader position", "loader=None"])
 
 
 @pytest.mark.parametrize("method", ["save", "restore"])
@@ -128,16 +122,16 @@ def test_a_state_with_no_arrays(ckpt, method):
     args = (6, {"lr": 0.1}) if method == "save" else ({"lr": 0.1},)
     with pytest.raises(ValueError) as info:
         getattr(ckpt, method)(*args)
-    check(info, "the state dict has no array leaves")
+    assert_one_line(info.value, ["the state dict has no array leaves"])
 
 
 def test_a_loader_that_is_not_a_loader(ckpt):
     with pytest.raises(TypeError) as info:
         ckpt.save(6, state(), loader=[1, 2, 3])
-    check(info, "loader=list has no state_dict()")
+    assert_one_line(info.value, ["loader=list has no state_dict()"])
     with pytest.raises(TypeError) as info:
         ckpt.restore(state(), loader=[1, 2, 3])
-    check(info, "loader=list has no load_state_dict()")
+    assert_one_line(info.value, ["loader=list has no load_state_dict()"])
 
 
 def test_a_loader_position_that_is_not_json(ckpt):
@@ -147,13 +141,13 @@ def test_a_loader_position_that_is_not_json(ckpt):
 
     with pytest.raises(TypeError) as info:
         ckpt.save(6, state(), loader=Odd())
-    check(info, "Odd.state_dict()", "JSON")
+    assert_one_line(info.value, ["Odd.state_dict()", "JSON"])
 
 
 def test_two_leaves_with_the_same_checkpoint_name(ckpt):
     with pytest.raises(ValueError) as info:
         ckpt.save(6, jdp.replicate({"a/b": np.ones(2), "a": {"b": np.ones(2)}}))
-    check(info, "both named 'a/b'")
+    assert_one_line(info.value, ["both named 'a/b'"])
 
 
 def test_restore_from_an_empty_or_missing_directory_returns_the_state(tmp_path):
@@ -166,10 +160,10 @@ def test_a_stacked_state_with_a_leaf_that_is_not_stacked(ckpt):
     mixed = {**state(), "x": np.ones(3, np.float32)}
     with pytest.raises(ValueError) as info:
         ckpt.save(6, mixed)
-    check(info, "leaf x has shape (3,)", "jdp.replicate")
+    assert_one_line(info.value, ["leaf x has shape (3,)", "jdp.replicate"])
 
 
 def test_async_save_that_is_not_a_bool(tmp_path):
     with pytest.raises(TypeError) as info:
         Checkpointer(tmp_path, async_save="yes")
-    check(info, "async_save='yes'")
+    assert_one_line(info.value, ["async_save='yes'"])

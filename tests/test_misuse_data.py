@@ -5,6 +5,7 @@ unnamed failing examples), then the argument mistakes a new user makes.
 """
 import numpy as np
 import pytest
+from conftest import one_line_error as refused
 
 from jdp.data import DistributedSampler, Loader
 
@@ -13,17 +14,6 @@ N = 40
 
 def source():
     return {"x": np.arange(N * 2, dtype=np.float32).reshape(N, 2), "id": np.arange(N)}
-
-
-def refused(error, words, fn, *args, **kwargs):
-    """`fn(...)` raises `error` with a one-line message containing every word."""
-    with pytest.raises(error) as info:
-        fn(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message, message
-    for word in words:
-        assert word in message, (word, message)
-    return info.value
 
 
 class Examples:

@@ -6,6 +6,7 @@ drop_last), then rank r takes indices[r::world].
 """
 import numpy as np
 import pytest
+from conftest import assert_one_line
 
 from jdp.data import DistributedSampler
 
@@ -107,10 +108,7 @@ def test_defaults_come_from_jax_process_count_and_index():
 def test_bad_arguments_raise_one_line_errors_naming_value_and_fix(kwargs, error, words):
     with pytest.raises(error) as info:
         DistributedSampler(**kwargs)
-    message = str(info.value)
-    assert "\n" not in message
-    for word in words:
-        assert word in message
+    assert_one_line(info.value, words)
 
 
 def test_set_epoch_rejects_negative_epochs():

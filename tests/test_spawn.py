@@ -18,18 +18,6 @@ from conftest import REPO, TAG_ENV, job_env, write_script
 import jdp
 
 
-@pytest.fixture
-def tagged(monkeypatch, tag):
-    """Children of jdp.spawn inherit our environment: tag it, clear launcher variables."""
-    for name, value in job_env(tag).items():
-        monkeypatch.setenv(name, value)
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.syspath_prepend(os.path.dirname(__file__))
-    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__) + os.pathsep + REPO)
-    return tag
-
-
 def test_two_processes_of_two_devices_agree_on_the_global_mean(tmp_path, tagged):
     jdp.spawn(targets.global_mean, args=(str(tmp_path),), nprocs=2, devices_per_process=2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
