@@ -5,7 +5,7 @@ each device takes the gradient on its slice of the batch, one all-reduce (`lax.p
 `lax.psum`) combines them, and every device applies the same update. The same step takes both
 layouts of `jdp.state`: a global state (`jdp.broadcast`) and global batches run through
 `jax.jit` of `jax.shard_map` over `jdp.mesh()`; a stacked state (`jdp.replicate`) and
-`[local_devices, ...]` batches through `jax.pmap`. The per-device code is the same function.
+`[local_devices, ...]` batches through `jax.pmap`. The per-device work (`jdp._grads`) is the same.
 """
 from __future__ import annotations
 
@@ -20,12 +20,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp import _checks, _mesh, _progress, _zero
+from jdp import _checks, _grads, _mesh, _progress, _zero
 from jdp import state as _state
 from jdp._mesh import AXIS
-
-_MODEL_STATE_FIELDS = ("model_state", "batch_stats")
-_STOP = "_jdp_stop"  # the preemption flag, carried in the metrics' all-reduce
 
 
 def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
@@ -59,112 +56,9 @@ def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
     return jax.tree.map(lambda g, d: g.astype(d) / size if mean else g.astype(d), summed, dtypes)
 
 
-def _model_state_field(state: Any) -> str | None:
-    """Which field of `state` holds the model state (BatchNorm statistics), if any."""
-    for name in _MODEL_STATE_FIELDS:
-        if getattr(state, name, None) is not None:
-            return name
-    return None
-
-
-def _device_rng(state: Any, micro: Any = None) -> Any:
-    """This device's key for this step (and micro-batch): fold step and device index in."""
-    key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(AXIS))
-    return key if micro is None else jax.random.fold_in(key, micro)
-
-
-def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
-    """Call the user's loss in its documented form; return (loss, (metrics, model_state)).
-
-    The rule: the loss gets what the state carries (model state as a third argument, `rng=`
-    as a keyword) and returns the loss, then `aux` if `has_aux`, then the new model state if
-    it got one: `loss`, `(loss, aux)`, `(loss, new_ms)` or `(loss, (aux, new_ms))`.
-    """
-    args = (params, batch) if model_state is None else (params, batch, model_state)
-    out = loss_fn(*args, rng=rng) if rng is not None else loss_fn(*args)
-    loss, metrics, new_model_state = _checks.loss_output(out, has_aux, model_state is not None)
-    _checks.scalar_loss(loss)
-    metrics = metrics if isinstance(metrics, dict) else {"aux": metrics}
-    return loss, (metrics, new_model_state)
-
-
-def _grads_once(loss_fn, has_aux, params, batch, model_state, rng):
-    """Loss, metrics, gradient and new model state on one (micro-)batch.
-
-    The parameters are marked as varying over the devices first: the gradient of a
-    replicated input inside shard_map would otherwise come back already summed over the
-    devices (the transpose of the implicit broadcast), where jdp reduces it itself.
-    """
-    grad_fn = jax.value_and_grad(
-        lambda p: _call_loss(loss_fn, has_aux, p, batch, model_state, rng), has_aux=True)
-    (loss, (metrics, new_ms)), grads = grad_fn(jax.tree.map(_varying, params))
-    return loss, metrics, grads, new_ms
-
-
-def _varying(x: jax.Array) -> jax.Array:
-    """`x` typed as varying over `AXIS` (a no-op on data). A value that varies already (the
-    stacked layout's mapped state) is refused by `pcast` and stays as it is."""
-    try:
-        return lax.pcast(x, AXIS, to="varying")
-    except ValueError:
-        return x
-
-
-def _accumulated_grads(loss_fn, has_aux, k, state, batch, model_state):
-    """Mean gradient over k micro-batches, local to the device: no communication in the loop.
-
-    The model state threads through the micro-batches in order, as k forward passes would
-    update it under DDP's `no_sync`. The first micro-batch seeds the running sum, so the
-    loop's carry has the per-device type of a gradient from the start.
-    """
-    use_rng = getattr(state, "rng", None) is not None
-    rng = _device_rng(state, 0 if k > 1 else None) if use_rng else None
-    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-    first = jax.tree.map(lambda x: x[0], micro)
-    loss, metrics, grads, model_state = _grads_once(
-        loss_fn, has_aux, state.params, first, model_state, rng)
-    if k == 1:
-        return loss, metrics, grads, model_state
-
-    def body(carry, i):
-        grad_sum, ms = carry
-        mb = jax.tree.map(lambda x: x[i], micro)
-        rng = _device_rng(state, i) if use_rng else None
-        loss, metrics, grads, ms = _grads_once(loss_fn, has_aux, state.params, mb, ms, rng)
-        return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
-
-    (grad_sum, model_state), (losses, rest) = lax.scan(
-        body, (grads, model_state), jnp.arange(1, k))
-    grads = jax.tree.map(lambda g: g / k, grad_sum)
-    mean = lambda a, b: (a + b.sum(0)) / k  # noqa: E731
-    return mean(loss, losses), jax.tree.map(mean, metrics, rest), grads, model_state
-
-
-def _sync_model_state(model_state: Any, how: str | None) -> Any:
-    """Average floating-point model state over devices (`how="mean"`), else leave it."""
-    if how is None:
-        return model_state
-    return jax.tree.map(
-        lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        model_state)
-
-
-def _device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync):
-    """One device's gradient, synced model state and all-reduced metrics (with the stop flag)."""
-    field = _model_state_field(state)
-    model_state = getattr(state, field) if field else None
-    loss, metrics, grads, new_ms = _accumulated_grads(
-        loss_fn, has_aux, accum_steps, state, batch, model_state)
-    if field:
-        new_ms = _sync_model_state(new_ms, model_state_sync)
-    metrics = {"loss": loss, **metrics, _STOP: jnp.sum(stop).astype(jnp.float32)}
-    metrics = lax.pmean(jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics), AXIS)
-    return grads, field, new_ms, metrics
-
-
 def _device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options):
     """What one device does in one step; collectives run over `AXIS`."""
-    grads, field, new_ms, metrics = _device_grads(state, batch, stop, **options)
+    grads, field, new_ms, metrics = _grads.device_grads(state, batch, stop, **options)
     grads = reduce_gradients(grads, mean=grad_reduce == "mean", comm_dtype=comm_dtype)
     state = state.apply_gradients(grads=grads)
     if field:
@@ -185,7 +79,7 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
     mean = grad_reduce == "mean"
 
     def per_device(state, batch, stop):
-        grads, _, new_ms, metrics = _device_grads(state, batch, stop, **options)
+        grads, _, new_ms, metrics = _grads.device_grads(state, batch, stop, **options)
         if shard_optimizer:
             return _zero.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
         return reduce_gradients(grads, mean=mean, comm_dtype=comm_dtype), new_ms, metrics
@@ -198,7 +92,7 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
         state = _zero.apply(state, grads, comm_dtype)
     else:
         state = state.apply_gradients(grads=grads)
-    field = _model_state_field(state)
+    field = _grads.model_state_field(state)
     return (state.replace(**{field: new_ms}) if field else state), metrics
 
 
@@ -270,7 +164,7 @@ class _Bounded:
 
 def _agreed_stop(metrics: dict) -> None:
     """Tell `jdp.preempted()` what every rank computed for a finished step."""
-    flag = metrics[_STOP]
+    flag = metrics[_grads.STOP]
     _progress.set_agreed(float(np.asarray(flag.addressable_data(0)).reshape(-1)[0]) > 0)
 
 
@@ -393,7 +287,7 @@ def _without_stop(out: Any) -> Any:
     """The step's outputs as the user sees them: a train step's metrics without the internal
     stop flag (an evaluation's totals never carry one)."""
     if isinstance(out, tuple):
-        return out[0], {k: v for k, v in out[1].items() if k != _STOP}
+        return out[0], {k: v for k, v in out[1].items() if k != _grads.STOP}
     return out
 
 
