@@ -142,6 +142,13 @@ def step_count(state) -> int:
     return int(jdp.unreplicate(state).step)
 
 
+def save(ckpt, state, loader) -> None:
+    """Checkpoint the state and the loader's position, unless this step is saved already (a run
+    preempted at an epoch's last step resumes into an epoch with nothing left to train)."""
+    if ckpt and step_count(state) != ckpt.latest_step():
+        ckpt.save(step_count(state), state, loader=loader)
+
+
 def train_and_evaluate(args) -> dict:
     """Train for `args.epochs`, evaluating after each; resumes from `--checkpoint-dir`."""
     train_loader, test_loader = make_loaders(args)
@@ -158,16 +165,14 @@ def train_and_evaluate(args) -> dict:
         state, train_loss, rate = train_epoch(step, state, train_loader, epoch,
                                               progress=jdp.is_primary() and not args.quiet)
         if jdp.preempted():
-            if ckpt:
-                ckpt.save(step_count(state), state, loader=train_loader)
+            save(ckpt, state, train_loader)
             jdp.print0(f"preempted at step {step_count(state)}: saved, stopping")
             break
         record = {"epoch": epoch + 1, "train_loss": train_loss, "samples_per_s": rate,
                   **evaluate(evaluate_step, state, test_loader)}
         history.append(record)
         jdp.print0(json.dumps(record))
-        if ckpt:
-            ckpt.save(step_count(state), state, loader=train_loader)
+        save(ckpt, state, train_loader)
     write_outputs(args.output_dir, history, append=bool(ckpt))
     return history[-1] if history else {}
 
