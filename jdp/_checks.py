@@ -185,17 +185,32 @@ def loss_output(out: Any, has_aux: bool, has_model_state: bool) -> tuple:
         return out[0], out[1][0], out[1][1]
     return (out[0], out[1], None) if has_aux else (out[0], {}, out[1])
 
+
+def new_model_state(old: Any, new: Any, has_aux: bool) -> None:
+    """The model state the loss returns must have the structure of the one it got: else the
+    next step would call the loss with something else (e.g. `(metrics, stats)` taken for the
+    statistics when `has_aux=True` was forgotten)."""
+    if jax.tree.structure(old) != jax.tree.structure(new):
+        hint = "" if has_aux else (
+            "; if it returns (loss, (metrics, new_model_state)), pass has_aux=True")
+        raise TypeError(f"loss_fn returned a new model state structured as "
+                        f"{jax.tree.structure(new)}, but the train state's is "
+                        f"{jax.tree.structure(old)}: return the updated model state itself{hint}")
+
+
 def _describe(x: Any) -> str:
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of {len(x)}"
     return f"a {type(x).__name__} of shape {jnp.shape(x)}" if hasattr(x, "shape") else (
         f"a {type(x).__name__}")
 
+
 def scalar_loss(loss: Any) -> None:
     """The loss must be a scalar: the mean (or sum) over one device's examples."""
     if jnp.shape(loss) != ():
         raise ValueError(f"loss_fn returned a loss of shape {jnp.shape(loss)}: expected a scalar; "
                          f"reduce it over the examples, e.g. jnp.mean(per_example_loss)")
+
 
 def per_example(values: Any, b: int) -> None:
     """Eval metrics must be a dict of per-example values `[b]`."""

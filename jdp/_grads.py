@@ -45,6 +45,8 @@ def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
     out = loss_fn(*args, rng=rng) if rng is not None else loss_fn(*args)
     loss, metrics, new_model_state = _checks.loss_output(out, has_aux, model_state is not None)
     _checks.scalar_loss(loss)
+    if model_state is not None:
+        _checks.new_model_state(model_state, new_model_state, has_aux)
     metrics = metrics if isinstance(metrics, dict) else {"aux": metrics}
     return loss, (metrics, new_model_state)
 

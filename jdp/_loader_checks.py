@@ -26,7 +26,8 @@ def default_sampler(sampler: DistributedSampler | None, num_examples: int,
                          "pass them to the DistributedSampler instead")
     if sampler.num_examples != num_examples:
         raise ValueError(f"Loader: the sampler covers num_examples={sampler.num_examples} but "
-                         f"the source has {num_examples}; build the sampler with len(source)")
+                         f"the source has {num_examples} examples; build it as "
+                         f"DistributedSampler({num_examples}, ...)")
     return sampler
 
 

@@ -10,6 +10,7 @@ examples as a dict of arrays (the fast path). The Loader's position (`epoch`, `s
 global `offset` into the epoch) is resumable through `state_dict()`, also onto another number
 of processes::
 
+    source = jdp.data.ArraySource({"image": images, "label": labels})
     sampler = jdp.data.DistributedSampler(len(source), shuffle=True, seed=0)
     loader = jdp.data.Loader(source, batch_size=256, sampler=sampler)
     for epoch in range(loader.epoch, num_epochs):   # after ckpt.restore(state, loader=loader)

@@ -87,6 +87,19 @@ def test_a_loss_that_forgets_the_model_state_is_named(has_aux, returns, match):
         jdp.train_step(loss_fn, has_aux=has_aux)(jdp.broadcast(state), batch_for("global"))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_forgotten_has_aux_with_model_state_is_named_not_taken_for_the_statistics(layout):
+    """(loss, (metrics, stats)) without has_aux=True would make (metrics, stats) the new model
+    state, and the next step would hand the loss that pair as its statistics."""
+    def loss_fn(params, batch, model_state):
+        return mse(params, batch), ({"x0": batch["x"][0, 0]}, model_state)
+
+    state = jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=optax.sgd(0.1),
+                                  model_state={"count": jnp.zeros(())})
+    with pytest.raises(TypeError, match=r"new model state structured as .*pass has_aux=True"):
+        jdp.train_step(loss_fn)(LAYOUTS[layout](state), batch_for(layout))
+
+
 def test_an_unplaced_state_names_both_ways_to_place_it():
     state = jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"jdp.replicate\(state\).*jdp.broadcast\(state\)"):
