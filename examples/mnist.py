@@ -143,9 +143,8 @@ def step_count(state) -> int:
 
 
 def save(ckpt, state, loader) -> None:
-    """Checkpoint the state and the loader's position, unless this step is saved already (a run
-    preempted at an epoch's last step resumes into an epoch with nothing left to train)."""
-    if ckpt and step_count(state) != ckpt.latest_step():
+    """Checkpoint the state and the loader's position (when a directory was given)."""
+    if ckpt:
         ckpt.save(step_count(state), state, loader=loader)
 
 

@@ -226,11 +226,16 @@ class Loader:
             `{"epoch", "step", "start", "offset", "num_examples", "num_replicas", "shuffle",
             "seed", "sampler_drop_last", "batch_size", "drop_last"}`. `offset` counts the
             examples of the epoch consumed by all processes together (see `load_state_dict`);
-            the rank is not included, so process 0's copy restores every process.
+            the rank is not included, so process 0's copy restores every process. An epoch whose
+            last batch was taken (a loop that left at it, e.g. on preemption) is saved as the
+            start of the next one: a resumed `range(loader.epoch, num_epochs)` loop goes on
+            there instead of re-entering an epoch with nothing left.
         """
-        s, epoch, step = self.sampler, self.epoch, self.step
-        at = _position.offset(s, _position.Position(epoch, self._start, step), self.batch_size)
-        return {"epoch": epoch, "step": step, "start": self._start, "offset": at,
+        s, epoch, step, start = self.sampler, self.epoch, self.step, self._start
+        if step and step == self._num_batches(start):
+            epoch, step, start = epoch + 1, 0, 0
+        at = _position.offset(s, _position.Position(epoch, start, step), self.batch_size)
+        return {"epoch": epoch, "step": step, "start": start, "offset": at,
                 "num_examples": s.num_examples, "num_replicas": s.num_replicas,
                 "shuffle": s.shuffle, "seed": s.seed, "sampler_drop_last": s.drop_last,
                 "batch_size": self.batch_size, "drop_last": self.drop_last}

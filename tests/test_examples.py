@@ -125,16 +125,16 @@ def test_mnist_example_runs_end_to_end_on_tfds_mnist(tmp_path):
     assert 0.0 <= record["test_accuracy"] <= 1.0
 
 
-def test_mnist_resumes_a_run_preempted_at_the_last_step_of_its_last_epoch(tmp_path):
-    """A preemption seen at an epoch's last batch saves before the loader moves on, so the
-    rerun resumes into an epoch with nothing left: it evaluates and finishes, saving nothing
-    twice (it used to fail with "step 11 is not after the latest checkpoint 11")."""
+def test_mnist_resumes_a_run_preempted_at_the_last_step_of_an_epoch(tmp_path):
+    """A preemption seen at an epoch's last batch saves the loader at the next epoch's start,
+    so the rerun trains the remaining epoch and saves each step once (it used to re-enter the
+    finished epoch and fail with "step 11 is not after the latest checkpoint 11")."""
     import jdp
     mnist = load_example("mnist")
-    args = mnist.parse_args(["--dataset", "digits", "--epochs", "1", "--quiet",
+    args = mnist.parse_args(["--dataset", "digits", "--epochs", "2", "--quiet",
                              "--checkpoint-dir", str(tmp_path)])
     loader, _ = mnist.make_loaders(args)
-    state = mnist.place(mnist.create_train_state(0, args.lr, len(loader)), args.layout)
+    state = mnist.place(mnist.create_train_state(0, args.lr, 2 * len(loader)), args.layout)
     step = jdp.train_step(mnist.loss_fn, has_aux=True)
     for batch in loader:  # the example's loop, leaving at the last batch as a preemption does
         state, _ = step(state, batch)
@@ -142,8 +142,8 @@ def test_mnist_resumes_a_run_preempted_at_the_last_step_of_its_last_epoch(tmp_pa
             break
     jdp.checkpoint.Checkpointer(tmp_path).save(mnist.step_count(state), state, loader=loader)
     record = mnist.train_and_evaluate(args)
-    assert record["epoch"] == 1 and record["test_accuracy"] > 0.3
-    assert jdp.checkpoint.Checkpointer(tmp_path).all_steps() == [len(loader)]
+    assert record["epoch"] == 2 and record["test_accuracy"] > 0.3
+    assert jdp.checkpoint.Checkpointer(tmp_path).all_steps() == [len(loader), 2 * len(loader)]
 
 
 def test_spawn_mlp_example_trains_one_epoch_and_its_loss_falls(tag):

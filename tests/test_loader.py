@@ -113,6 +113,25 @@ def test_position_counts_batches_handed_out_and_advances_after_the_epoch(source)
     assert loader.sampler.epoch == 1
 
 
+def test_a_loop_left_at_the_last_batch_saves_the_start_of_the_next_epoch(source):
+    """Leaving at an epoch's last batch (a preemption there) keeps the position in memory, but
+    saves it as the next epoch's start: a resumed range(loader.epoch, ...) loop goes on there."""
+    reference = make(source, rank=1)
+    reference.set_epoch(3)
+    expected = ids(reference)
+    first = make(source, rank=1)
+    first.set_epoch(2)
+    for _ in first:
+        if first.step == len(first):
+            break
+    assert (first.epoch, first.step) == (2, len(first))
+    saved = json.loads(json.dumps(first.state_dict()))
+    assert (saved["epoch"], saved["step"], saved["offset"]) == (3, 0, 0)
+    resumed = make(source, rank=1)
+    resumed.load_state_dict(saved)
+    assert resumed.epoch == 3 and ids(resumed) == expected
+
+
 def test_restart_from_state_dict_yields_the_remaining_batches(source):
     reference = make(source, rank=1)
     reference.set_epoch(2)
