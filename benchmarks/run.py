@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     """Measure, then rewrite the generated block of `--output`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
-    p.add_argument("--quick", action="store_true", help="shorter measurements (~3 minutes)")
+    p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero` or "
                    "`input` for those tables (default: all)")
     args = p.parse_args(argv)
