@@ -10,8 +10,6 @@ import jax
 from jdp import _mesh
 from jdp._sampler import DistributedSampler
 
-"""`Loader(layout=...)` values: stacked per-device arrays, or one global array per leaf."""
-
 
 def default_sampler(sampler: DistributedSampler | None, num_examples: int,
                     shuffle: bool | None, seed: int | None) -> DistributedSampler:
