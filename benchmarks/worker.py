@@ -10,6 +10,7 @@ is XLA:CPU's slow select-and-scatter) and `global` (`jdp.broadcast` + a global b
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
 import itertools
 import sys
@@ -29,8 +30,10 @@ from benchmarks import harness, hlo, jobs
 METRIC_SCALARS = 2  # the example's "loss" and "accuracy"
 
 
+@functools.cache
 def example(max_pool: bool = False):
-    """A fresh copy of examples/mnist.py; with `max_pool`, its CNN pools with `nn.max_pool`."""
+    """A copy of examples/mnist.py (one per pooling); with `max_pool`, its CNN pools with
+    `nn.max_pool`."""
     spec = importlib.util.spec_from_file_location("mnist_example", f"{jobs.REPO}/examples/mnist.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -140,14 +143,21 @@ class Bench:
     def loader(self, request: dict) -> dict:
         """Samples/s of `jdp.data.Loader` over a shuffled MNIST-shaped epoch (60000 uint8
         28x28x1 images, int32 labels), every batch waited for on the devices."""
-        rng, size = np.random.default_rng(0), request["batch_size"] * request["num_batches"]
-        data = {"image": rng.integers(0, 256, (60000, 28, 28, 1), dtype=np.uint8),
-                "label": rng.integers(0, 10, 60000, dtype=np.int32)}
-        loader = jdp.data.Loader(data, request["batch_size"], shuffle=True, drop_last=True)
+        size = request["batch_size"] * request["num_batches"]
+        loader = jdp.data.Loader(mnist_shaped(), request["batch_size"], shuffle=True,
+                                 drop_last=True)
         start = time.perf_counter()
         for batch in itertools.islice(loader, request["num_batches"]):
             jax.block_until_ready(batch)
         return {"samples_per_s": size / (time.perf_counter() - start)}
+
+
+@functools.cache
+def mnist_shaped() -> dict:
+    """Random data of MNIST's shapes, made once per process (not in every round)."""
+    rng = np.random.default_rng(0)
+    return {"image": rng.integers(0, 256, (60000, 28, 28, 1), dtype=np.uint8),
+            "label": rng.integers(0, 10, 60000, dtype=np.int32)}
 
 
 if __name__ == "__main__":
