@@ -178,10 +178,12 @@ def tag() -> str:
 def tagged(monkeypatch, tag):
     """For jobs started in this process (jdp.spawn): children inherit our environment, so tag
     it, clear launcher variables, and let them import the tests' modules (_spawn_targets)."""
+    from jdp._env import RANK_VARS
+
     tests = os.path.dirname(os.path.abspath(__file__))
     for name, value in job_env(tag).items():
         monkeypatch.setenv(name, value)
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in RANK_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.syspath_prepend(tests)
     monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + REPO)

@@ -159,8 +159,6 @@ def test_two_launchers_form_one_four_process_job(tmp_path, tag):
     assert "RESULT" in (tmp_path / "logs" / "rank.3" / "stdout").read_text()
 
 
-
-
 @pytest.mark.parametrize("mode, code, text", [("exit", 3, "exit code 3"),
                                               ("raise", 1, "RuntimeError: boom from rank 1")])
 def test_a_failing_rank_stops_the_job_with_its_exit_code(tmp_path, tag, mode, code, text):
