@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from benchmarks import report
+
 NUM_IMAGES, SIZE, CROP, BATCH = 1024, 128, 112, 32
 
 
@@ -148,9 +150,9 @@ def table(rounds: int = 5) -> str:
         close()
     return (f"Input pipeline: {NUM_IMAGES} JPEGs {SIZE}x{SIZE} -> decode, random crop {CROP}, "
             f"flip; batch {BATCH}; {os.cpu_count()} CPU cores; median of {rounds} interleaved "
-            "epochs (min-max)\n\n| pipeline | workers | images/s | min-max | first batch (s) |\n"
-            "|---|---:|---:|---:|---:|\n" + "".join(
-                "| " + " | ".join(map(str, row + [""] * (5 - len(row)))) + " |\n" for row in rows))
+            "epochs (min-max)\n\n" + report.table(
+                ["pipeline", "workers", "images/s", "min-max", "first batch (s)"],
+                [row + [""] * (5 - len(row)) for row in rows]))
 
 
 if __name__ == "__main__":
