@@ -60,15 +60,16 @@ def host(batches):
 
 
 def alive(pids):
+    """The pids that still run (zombies count as dead). A process may end between two looks at
+    it, so any lookup that finds it gone means gone."""
+    import psutil
     out = []
     for pid in pids:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split()[2] != "Z":
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                 out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
     return out
 
 
