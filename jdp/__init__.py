@@ -12,7 +12,6 @@ gradients averaged by `lax.pmean`::
 """
 from jdp import data, datasets
 from jdp._log import get_logger, print0
-from jdp._mesh import mesh
 from jdp._progress import preempted
 from jdp.data import DistributedSampler, Loader
 from jdp.distributed import (
@@ -25,8 +24,9 @@ from jdp.distributed import (
     shutdown,
 )
 from jdp.spawn import ProcessExitedException, ProcessRaisedException, spawn
-from jdp.state import TrainState, broadcast, replicate, shard, unreplicate
-from jdp.step import AXIS, eval_step, reduce_gradients, train_step
+from jdp.core import AXIS, TrainState, broadcast, eval_step, mesh, reduce_gradients, train_step
+from jdp.core._state import replicate, shard, unreplicate
+from jdp import pmap
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,7 @@ __all__ = [
     "initialize",
     "is_primary",
     "mesh",
+    "pmap",
     "preempted",
     "print0",
     "process_count",

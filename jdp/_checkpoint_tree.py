@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 from jax.experimental import multihost_utils
 
-from jdp.state import STACKED, layout, unreplicate
+from jdp.core._state import STACKED, layout, unreplicate
 
 
 class Leaf(NamedTuple):

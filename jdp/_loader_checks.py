@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from jdp import _mesh
+from jdp.core import _mesh
 from jdp._sampler import DistributedSampler
 
 

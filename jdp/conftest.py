@@ -14,9 +14,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest  # noqa: E402
 
-# Importing it replaces the module by the function `jdp.train_step` (see the file), which has
-# no examples of its own to collect.
-collect_ignore = ["train_step.py"]
 
 
 @pytest.fixture(autouse=True)

@@ -42,7 +42,6 @@ import jax
 from jdp import (
     _batches,
     _loader_checks,
-    _mesh,
     _position,
     _prefetch,
     _progress,
@@ -50,6 +49,7 @@ from jdp import (
     _workers,
 )
 from jdp._sampler import DistributedSampler, _require_int
+from jdp.core import _mesh
 from jdp._sources import ArraySource
 
 __all__ = ["ArraySource", "DistributedSampler", "Loader"]

@@ -75,7 +75,7 @@ def _restore(directory: str, out: str) -> None:
 
 def global_state(state):
     """`state` as the global layout: every array leaf replicated on jdp's mesh (no device axis)."""
-    from jdp._mesh import replicated
+    from jdp.core._mesh import replicated
     return jax.tree.map(lambda x: jax.device_put(np.asarray(x), replicated()), state)
 
 
@@ -100,7 +100,7 @@ def _restore_both(directory: str, out: str) -> None:
 def _two_process_global(directory: str, out: str) -> None:
     """Both processes save a global state spanning them; restore it in both layouts."""
     jdp.initialize()
-    from jdp._mesh import replicated
+    from jdp.core._mesh import replicated
     to_global = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.make_array_from_process_local_data(replicated(), np.asarray(x)), tree)
     state = to_global(make_state(4))
@@ -150,7 +150,7 @@ def _zero_roundtrip(directory: str, out: str) -> None:
 def _two_process(directory: str, out: str) -> None:
     """Each process saves its own (rank-dependent) values; both restore; report the results."""
     jdp.initialize()
-    from jdp._mesh import local_sharding
+    from jdp.core._mesh import local_sharding
     from jdp.data import Loader
     rank, n = jax.process_index(), jax.local_device_count()
     loader = Loader({"x": np.arange(40, dtype=np.float32)}, batch_size=4, shuffle=True)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 import jdp
-from jdp._mesh import replicated
+from jdp.core._mesh import replicated
 
 SHAPES = {"w1": (128, 256), "b1": (256,), "w2": (256, 10), "b2": (10,)}  # an MLP, 35k params
 

@@ -10,7 +10,7 @@ from _checkpoint_child import busy_state, global_state, host_leaves, make_state
 from conftest import REPO, child_env, run_python, run_ranks
 
 import jdp
-from jdp._mesh import replicated
+from jdp.core._mesh import replicated
 from jdp.checkpoint import Checkpointer
 
 CHILD = os.path.join(REPO, "tests", "_checkpoint_child.py")

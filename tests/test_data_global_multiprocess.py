@@ -8,7 +8,7 @@ SCRIPT = """
 import json, sys
 import jax, numpy as np
 import jdp
-from jdp._mesh import batch_sharded
+from jdp.core._mesh import batch_sharded
 
 jdp.initialize()
 rank = jax.process_index()

@@ -5,9 +5,9 @@ import sys
 from conftest import REPO, child_env
 
 
-def test_import_jdp_train_step_leaves_the_function_in_place():
-    code = ("import jdp.train_step; import jdp, jdp.step; "
-            "assert jdp.train_step is jdp.step.train_step, jdp.train_step; print('ok')")
+def test_import_jdp_gives_the_core_step():
+    code = ("import jdp, jdp.core; "
+            "assert jdp.train_step is jdp.core.train_step, jdp.train_step; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

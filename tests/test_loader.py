@@ -364,7 +364,7 @@ def test_array_source_counts_examples_and_reads_like_the_dict(source):
 
 
 def test_global_layout_is_the_pmap_batch_flattened_into_one_array_sharded_over_the_mesh(source):
-    from jdp._mesh import batch_sharded
+    from jdp.core._mesh import batch_sharded
 
     stacked = list(make(source, rank=1))
     flat = list(make(source, rank=1, layout="global"))

@@ -17,7 +17,7 @@ import numpy as np
 from flax.training import train_state
 from jax.sharding import NamedSharding
 
-from jdp import _mesh, _zero
+from jdp.core import _mesh, _zero
 from jdp.distributed import broadcast_from_primary
 
 GLOBAL, STACKED = _mesh.GLOBAL, _mesh.STACKED

@@ -22,8 +22,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jdp import _mesh
-from jdp._mesh import AXIS
+from jdp.core import _mesh
+from jdp.core._mesh import AXIS
 
 
 def padded_rows(rows: int, n: int) -> int:

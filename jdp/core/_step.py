@@ -20,9 +20,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp import _checks, _grads, _mesh, _progress, _zero
-from jdp import state as _state
-from jdp._mesh import AXIS
+from jdp import _progress
+from jdp.core import _checks, _grads, _mesh, _zero
+from jdp.core import _state
+from jdp.core._mesh import AXIS
 
 
 def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp import _checks
-from jdp._mesh import AXIS
+from jdp.core import _checks
+from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
 STOP = "_jdp_stop"  # the preemption flag, carried in the metrics' all-reduce

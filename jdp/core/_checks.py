@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp import state as _state
+from jdp.core import _state
 
 MAX_IN_FLIGHT = 16
 
@@ -133,7 +133,7 @@ def state_in_layout(state: Any, layout: str, shard_optimizer: bool) -> None:
             raise ValueError(f"state leaf {name(path)} is not replicated on jdp.mesh(): place "
                              "the whole state with jdp.broadcast(state)")
     if shard_optimizer:
-        from jdp import _zero
+        from jdp.core import _zero
         logical = jax.eval_shape(state.tx.init, state.params)
         if not _zero.is_stored(opt, logical):
             raise ValueError("shard_optimizer=True: the optimizer state is not sharded; place "
