@@ -9,9 +9,9 @@ import os
 import sys
 from typing import NamedTuple
 
-from jdp._env import RANK_VARS
-from jdp._malloc import ENV as MALLOC_ENV
-from jdp._net import free_port
+from jdp.launch._env import RANK_VARS
+from jdp.launch._malloc import ENV as MALLOC_ENV
+from jdp.launch._net import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,23 +10,24 @@ gradients averaged by `lax.pmean`::
     for batch in jdp.data.Loader(source, batch_size=256, layout="global"):
         state, metrics = step(state, batch)
 """
-from jdp import data, datasets
-from jdp._log import get_logger, print0
-from jdp._progress import preempted
+from jdp import checkpoint, data, launch, pmap
+from jdp.checkpoint import Checkpointer
+from jdp.core import AXIS, TrainState, broadcast, eval_step, mesh, reduce_gradients, train_step
+from jdp.core._state import replicate, shard, unreplicate
 from jdp.data import DistributedSampler, Loader
 from jdp.distributed import (
     barrier,
     broadcast_from_primary,
+    get_logger,
     initialize,
     is_primary,
+    print0,
     process_count,
     process_index,
     shutdown,
 )
-from jdp.spawn import ProcessExitedException, ProcessRaisedException, spawn
-from jdp.core import AXIS, TrainState, broadcast, eval_step, mesh, reduce_gradients, train_step
-from jdp.core._state import replicate, shard, unreplicate
-from jdp import pmap
+from jdp.launch import ProcessExitedException, ProcessRaisedException, spawn
+from jdp.launch._progress import preempted
 
 __version__ = "0.1.0"
 
@@ -43,10 +44,10 @@ __all__ = [
     "broadcast_from_primary",
     "checkpoint",
     "data",
-    "datasets",
     "eval_step",
     "get_logger",
     "initialize",
+    "launch",
     "is_primary",
     "mesh",
     "pmap",
@@ -63,14 +64,3 @@ __all__ = [
     "unreplicate",
 ]
 
-
-def __getattr__(name: str):
-    # On demand: `jdp.launch` (importing it eagerly makes `python -m jdp.launch` warn, runpy),
-    # and the checkpoint module, whose orbax import costs every `import jdp` ~0.5 s otherwise.
-    import importlib
-
-    if name in ("launch", "checkpoint"):
-        return importlib.import_module(f"jdp.{name}")
-    if name == "Checkpointer":
-        return importlib.import_module("jdp.checkpoint").Checkpointer
-    raise AttributeError(f"module 'jdp' has no attribute {name!r}")

@@ -15,13 +15,13 @@ import time
 
 from conftest import REPO, job_env, start_launcher, wait_for_text, wait_until_gone, write_script
 
-from jdp import _progress
+from jdp.launch import _progress
 
 LOOP = """
 import sys, time
 import jax, numpy as np
 import jdp
-from jdp import _progress
+from jdp.launch import _progress
 
 jdp.initialize()
 psum = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
@@ -96,7 +96,7 @@ def test_sigterm_to_one_rank_stops_the_whole_job_cleanly(tmp_path, tag):
 
 IGNORING = """
 import time
-from jdp import _progress
+from jdp.launch import _progress
 _progress.preempted()          # catches SIGTERM, then never looks again
 print("ready", flush=True)
 time.sleep(600)

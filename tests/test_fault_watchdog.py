@@ -12,13 +12,13 @@ import pytest
 from conftest import job_env, start_launcher, wait_until_gone, write_script
 
 import jdp
-from jdp import _progress, _watchdog
+from jdp.launch import _progress, _watchdog
 
 STUCK = """
 import sys, time
 import jax, numpy as np
 import jdp
-from jdp import _progress
+from jdp.launch import _progress
 
 jdp.initialize()
 step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")

@@ -286,7 +286,7 @@ def test_help_documents_every_option_and_variable():
 
 
 def test_children_get_the_allocator_settings_unless_turned_off():
-    from jdp import _malloc, _supervisor
+    from jdp.launch import _malloc, _supervisor
 
     def env_of(base):
         return _supervisor.rank_env(base, rank=0, local_rank=0, world_size=1,

@@ -109,5 +109,5 @@ def test_timeout_stops_every_rank_and_raises(tmp_path, tagged):
 
 def test_the_runner_and_the_supervisor_agree_on_variable_names():
     """jdp/_exit.py spells JDP_ERROR_FILE itself (the runner loads it without the package)."""
-    from jdp import _env, _exit
+    from jdp.launch import _env, _exit
     assert _exit._ERROR_FILE == _env.ERROR_FILE

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp import _progress
+from jdp.launch import _progress
 from jdp.core import _checks, _grads, _mesh, _zero
 from jdp.core import _state
 from jdp.core._mesh import AXIS

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from jdp import _batches
+from jdp.data import _batches
 
 _POLL_S = 0.05
 _STOP_S = 2.0  # a worker that does not stop after this is terminated, then killed

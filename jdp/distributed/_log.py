@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from jdp import _env
+from jdp.launch import _env
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from jdp import _env, _exit, _net, _nodes, _supervisor, _watchdog
+from jdp.launch import _env, _exit, _net, _nodes, _supervisor, _watchdog
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
 WHO = "jdp.launch"
@@ -382,7 +382,3 @@ def _compilation_cache(args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of `python -m jdp.launch` and the `jdp-launch` console script."""
     sys.exit(launch(parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from jdp import _env, _exit, _malloc, _progress, _watchdog
+from jdp.launch import _env, _exit, _malloc, _progress, _watchdog
 
 GRACE_S = 3.0        # SIGTERM -> SIGKILL after a failure; keeps "all gone" well under 5 s
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL after a stop request: time to save a checkpoint

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 
-from jdp import _exit, _net
+from jdp.launch import _exit, _net
 
 BACKOFF_S = 1.0
 JOIN_TIMEOUT_S = 300.0

@@ -38,14 +38,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jdp import _checkpoint_orbax as disk
-from jdp import _checkpoint_tree as tree
-from jdp import _integrity, _progress
-from jdp._checkpoint_orbax import INTEGRITY, LOADER, STATE
-from jdp._integrity import CorruptCheckpointError, Damaged
+from jdp.checkpoint import _orbax as disk
+from jdp.checkpoint import _tree as tree
+from jdp.checkpoint import _integrity
+from jdp.launch import _progress
+from jdp.checkpoint._orbax import INTEGRITY, LOADER, STATE
+from jdp.checkpoint._integrity import CorruptCheckpointError, Damaged
 from jdp.distributed import barrier
-
-__all__ = ["Checkpointer", "CorruptCheckpointError"]
 
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
 

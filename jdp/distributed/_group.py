@@ -28,7 +28,8 @@ import numpy as np
 from jax._src import distributed as _jax_distributed  # no public API: see above
 from jax.experimental import multihost_utils
 
-from jdp import _env, _exit, _malloc, _net, _rendezvous
+from jdp.launch import _env, _exit, _malloc, _net
+from jdp.distributed import _rendezvous
 
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 30

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import time
 
-from jdp import _net
+from jdp.launch import _net
 
 HELLO = b"jdp-join "
 GO = b"go\n"

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jdp import _env, _exit, _net, _supervisor, _watchdog
+from jdp.launch import _env, _exit, _net, _supervisor, _watchdog
 
 WHO = "jdp.spawn"
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path

@@ -14,7 +14,7 @@ import signal
 import time
 from typing import NamedTuple
 
-from jdp import _progress
+from jdp.launch import _progress
 
 READ_EVERY_S = 0.5
 STACK_WAIT_S = 3.0        # for faulthandler's dump to finish

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from jdp.core import _mesh
-from jdp._sampler import DistributedSampler
+from jdp.data._sampler import DistributedSampler
 
 
 def default_sampler(sampler: DistributedSampler | None, num_examples: int,

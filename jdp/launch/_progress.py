@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 
-from jdp import _env
+from jdp.launch import _env
 
 PHASES = ("start", "step", "data", "eval", "checkpoint", "other")
 SLOT = struct.Struct("<QqB")    # progress count, steps run (-1: none yet), phase index

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jdp import _sources
+from jdp.data import _sources
 
 
 class Recipe(NamedTuple):

@@ -39,20 +39,11 @@ from typing import Any
 
 import jax
 
-from jdp import (
-    _batches,
-    _loader_checks,
-    _position,
-    _prefetch,
-    _progress,
-    _sources,
-    _workers,
-)
-from jdp._sampler import DistributedSampler, _require_int
+from jdp.data import _batches, _loader_checks, _position, _prefetch, _sources, _workers
+from jdp.launch import _progress
+from jdp.data._sampler import DistributedSampler, _require_int
 from jdp.core import _mesh
-from jdp._sources import ArraySource
-
-__all__ = ["ArraySource", "DistributedSampler", "Loader"]
+from jdp.data._sources import ArraySource
 
 
 class Loader:

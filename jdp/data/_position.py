@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jdp._sampler import DistributedSampler, _require_int
+from jdp.data._sampler import DistributedSampler, _require_int
 
 # Settings that fix the epoch's order; a position means nothing under others.
 ORDER_CONFIG = ("num_examples", "shuffle", "seed", "sampler_drop_last")

@@ -1,0 +1,4 @@
+"""`python -m jdp.launch`: see `jdp.launch`."""
+from jdp.launch._cli import main
+
+main()
