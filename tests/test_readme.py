@@ -6,7 +6,6 @@ to the reader (data, a model, an optimizer). Blocks that are fragments of a scri
 `main`, the preemption loop of docs/faults.md) are covered by the example and launcher tests
 instead. The README's two commands and the links between the pages are checked too.
 """
-import inspect
 import os
 import re
 
@@ -44,15 +43,6 @@ def run(code: str, namespace: dict, page: str = "README.md") -> dict:
     return namespace
 
 
-# The Loader yields global batches by default once issue 22's core lands; until then its default
-# is still the pmap form and the README's loop (written for the new API) cannot run as written.
-LOADER_STILL_PMAP = (inspect.signature(jdp.data.Loader).parameters.get("layout") is not None
-                     and inspect.signature(jdp.data.Loader).parameters["layout"].default == "pmap")
-needs_global_loader = pytest.mark.xfail(
-    LOADER_STILL_PMAP, strict=True,
-    reason="transition (issue 22): jdp.data.Loader still defaults to layout='pmap'")
-
-
 def sgd_mse(w: np.ndarray, x: np.ndarray, y: np.ndarray, lr: float = 0.1) -> np.ndarray:
     """One SGD step on mean((x w - y)^2) over the whole batch, in float64."""
     return w - lr * 2.0 * x.T @ (x @ w - y) / len(x)
@@ -88,7 +78,6 @@ def test_every_link_between_the_pages_finds_its_page_and_heading(page):
             assert anchor in {slug(h) for h in headings}, f"{page}: no heading #{anchor} in {path}"
 
 
-@needs_global_loader
 def test_the_readme_loop_is_sgd_over_the_samplers_shuffled_batches_then_one_pmap_step(capsys):
     ns = run(block("import jax.numpy as jnp, numpy as np, optax"), {})
     x, y = (ns["source"][k].astype(np.float64) for k in ("x", "y"))
@@ -128,7 +117,6 @@ def test_the_api_quickstart_in_both_forms_takes_one_sgd_step_of_the_global_batch
         float(np.mean(y ** 2)), rel=1e-6)
 
 
-@needs_global_loader
 def test_batchnorm_zero_loader_and_checkpoint_blocks_train_and_save(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the checkpoint block saves into "ckpt"
     rng = np.random.default_rng(0)
