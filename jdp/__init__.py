@@ -12,8 +12,17 @@ gradients averaged by `lax.pmean`::
 """
 from jdp import checkpoint, data, launch, pmap
 from jdp.checkpoint import Checkpointer
-from jdp.core import AXIS, TrainState, broadcast, eval_step, mesh, reduce_gradients, train_step
-from jdp.core._state import replicate, shard, unreplicate
+from jdp.core import (
+    AXIS,
+    TrainState,
+    broadcast,
+    eval_step,
+    mesh,
+    reduce_gradients,
+    shard,
+    train_step,
+    unshard,
+)
 from jdp.data import DistributedSampler, Loader
 from jdp.distributed import (
     barrier,
@@ -28,6 +37,7 @@ from jdp.distributed import (
 )
 from jdp.launch import ProcessExitedException, ProcessRaisedException, spawn
 from jdp.launch._progress import preempted
+from jdp.pmap import replicate, unreplicate  # the classic form's top-level names
 
 __version__ = "0.1.0"
 
@@ -62,5 +72,6 @@ __all__ = [
     "spawn",
     "train_step",
     "unreplicate",
+    "unshard",
 ]
 

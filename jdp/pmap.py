@@ -1,50 +1,213 @@
 """The classic pmap form: state stacked `[local_devices, ...]`, the step a real `jax.pmap`.
 
-(Interim: re-exports while the core is rewritten; the interface below is final.)
+Every leaf of a stacked state carries one copy per local device; batches are
+`[local_devices, per_device, ...]`; metrics come back stacked (`unreplicate` takes device 0's
+copy). The step maps the same per-device function as the global core (`jdp.train_step`), with
+the same options except ZeRO, so both train identically. This module is the one place in jdp
+that knows the stacked layout: `to_global` and `like` let layout-blind code (the Checkpointer)
+take a stacked tree.
+
+Example:
+    >>> import jdp, optax
+    >>> def loss_fn(params, batch):
+    ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> state = jdp.pmap.replicate(jdp.TrainState.create(
+    ...     apply_fn=None, params={"w": np.zeros((2, 1))}, tx=optax.sgd(0.1)))
+    >>> n = jax.local_device_count()
+    >>> batch = jdp.pmap.shard({"x": np.ones((n, 2)), "y": np.ones((n, 1))})
+    >>> state, metrics = jdp.pmap.train_step(loss_fn)(state, batch)
+    >>> float(jdp.pmap.unreplicate(metrics)["loss"])
+    1.0
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jdp.core import _mesh, _state, _step
+from jdp.core import _checks, _dispatch, _mesh, _state, _step
+from jdp.core._mesh import AXIS
+from jdp.distributed import broadcast_from_primary
+
+LOCAL_AXIS = "local_devices"
+"""Axis name of the stacked placement: on one process a stacked `[8, b]` array and a global
+batch of 8 rows have the same devices and shape, and only this name tells them apart."""
+
+
+def local_sharding(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
+    """Slice i of an array's leading axis on device i of `devices` (default: pmap's order,
+    `jax.local_devices()`, so placed arrays enter the pmapped step without a copy)."""
+    devices = jax.local_devices() if devices is None else list(devices)
+    return NamedSharding(Mesh(np.array(devices), (LOCAL_AXIS,)), PartitionSpec(LOCAL_AXIS))
 
 
 def replicate(tree: Any) -> Any:
-    """One copy of every leaf on each local device: leaves `[local_devices, ...]`."""
-    return _state.replicate(tree)
+    """One copy of every leaf of `tree` on each local device: leaves `[local_devices, ...]`.
+
+    On several processes every process ends up with process 0's values, so replicas start
+    identical even if processes were seeded differently.
+
+    Example:
+        >>> import jdp
+        >>> jdp.pmap.replicate({"w": np.ones(3)})["w"].shape == (jax.local_device_count(), 3)
+        True
+    """
+    sharding = local_sharding()
+    n = len(sharding.device_set)
+    return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))),
+                                                 sharding), broadcast_from_primary(tree))
 
 
 def unreplicate(tree: Any) -> Any:
-    """Device 0's copy of a stacked tree; global leaves come back unchanged."""
-    return _state.unreplicate(tree)
+    """Device 0's copy of a stacked tree (a state, or a step's metrics); leaves that are not
+    stacked (global arrays) come back unchanged, so code for both forms can call it.
+
+    Raises:
+        ValueError: a leaf whose leading axis is not the local device count.
+
+    Example:
+        >>> import jdp
+        >>> jdp.pmap.unreplicate(jdp.pmap.replicate({"w": np.ones(3)}))["w"].shape
+        (3,)
+    """
+    n = jax.local_device_count()
+
+    def first(path, x):
+        if isinstance(x, jax.Array) and not _stacked_leaf(x):
+            return x
+        if np.ndim(x) == 0 or np.shape(x)[0] != n:
+            raise ValueError(
+                f"jdp.unreplicate: leaf {_checks.name(path)} has shape {np.shape(x)}, not a "
+                f"leading axis of {n} local devices: it is not replicated. Pass what "
+                "jdp.pmap.replicate or a pmap step returned, or use the value as is")
+        if isinstance(x, jax.Array):
+            return x.addressable_data(0)[0]
+        return x[0]
+
+    return jax.tree_util.tree_map_with_path(first, tree)
 
 
 def shard(rows: Any) -> Any:
-    """This process's rows `[n*b, ...]` split over the local devices: `[n, b, ...]`."""
-    return _state.shard(rows, layout=_mesh.STACKED)
+    """This process's rows `[n*b, ...]` split over its `n` local devices: `[n, b, ...]`.
+
+    Example:
+        >>> import jdp
+        >>> n = jax.local_device_count()
+        >>> jdp.pmap.shard({"x": np.zeros((2 * n, 3))})["x"].shape == (n, 2, 3)
+        True
+    """
+    return place_rows(_state.divisible_rows(rows, "jdp.pmap.shard"))
 
 
-def place_rows(rows: Any, devices=None) -> Any:
-    """Like `shard`, onto `devices` (default: the local devices in pmap's order), no checks."""
-    return _mesh.place_batch(rows, _mesh.STACKED,
-                             None if devices is None else _mesh.local_sharding(devices))
+def place_rows(rows: Any, devices: Sequence[jax.Device] | None = None) -> Any:
+    """`shard` onto `devices` (default: the local devices), without the checks: the Loader's
+    placement for `layout="pmap"`."""
+    sharding = local_sharding(devices)
+    n = len(sharding.device_set)
+    return jax.device_put(jax.tree.map(
+        lambda x: np.asarray(x).reshape(n, -1, *np.shape(x)[1:]), rows), sharding)
 
 
-def train_step(loss_fn, **options):
-    """`jdp.train_step` for a stacked state and `[local_devices, b, ...]` batches, as pmap."""
-    return _step.train_step(loss_fn, **options)
+def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "mean",
+               accum_steps: int = 1, model_state_sync: str | None = "mean",
+               comm_dtype: Any = None, donate: bool = True,
+               max_in_flight: int = 2) -> Callable:
+    """`jdp.train_step` in the pmap form: a real `jax.pmap` over the local devices.
+
+    The state comes from `replicate`, batches are `[local_devices, per_device, ...]` (`shard`,
+    or `jdp.data.Loader(..., layout="pmap")`), and the metrics come back stacked. The options
+    mean what they mean for `jdp.train_step`; `model_state_sync=None` leaves each device its
+    own model state.
+    """
+    _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
+    body = functools.partial(
+        _step.device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
+        accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
+    transform = functools.partial(jax.pmap, axis_name=AXIS,
+                                  donate_argnums=(0,) if donate else ())
+    return _dispatch.make_step(body, functools.partial(_check, accum_steps=accum_steps),
+                               transform, _place_stop, max_in_flight=max_in_flight, train=True,
+                               donate=donate)
 
 
-def eval_step(metric_fn, **options):
-    """`jdp.eval_step` for a stacked state and batches."""
-    return _step.eval_step(metric_fn, **options)
+def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
+    """`jdp.eval_step` in the pmap form: totals come back stacked (every copy the same)."""
+    _checks.train_options("mean", 1, "mean", max_in_flight)
+    body = functools.partial(_step.device_eval_step, metric_fn=metric_fn)
+    return _dispatch.make_step(body, functools.partial(_check, accum_steps=1),
+                               functools.partial(jax.pmap, axis_name=AXIS), _place_stop,
+                               max_in_flight=max_in_flight, train=False)
+
+
+def _place_stop(flag: bool) -> jax.Array:
+    return place_rows(_dispatch.stop_values(flag, jax.local_device_count()))
+
+
+def _check(state: Any, batch: Any, *, accum_steps: int) -> None:
+    """A stacked state (one copy per local device) and batches `[n, per_device, ...]`."""
+    n = jax.local_device_count()
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(x, jax.Array) or not x.ndim or x.shape[0] != n or (
+                n > 1 and len(x.sharding.device_set) == 1):
+            raise ValueError(
+                f"state leaf {_checks.name(path)} is {_where(x)}: jdp.pmap steps take one copy "
+                f"per local device (leading axis {n}); pass the state through "
+                "jdp.pmap.replicate(state) first (a state from jdp.broadcast goes with "
+                "jdp.train_step)")
+    _check_batch(batch, n, accum_steps)
+
+
+def _check_batch(batch: Any, n: int, accum_steps: int) -> None:
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError("batch is empty: expected a pytree of arrays")
+    per_device = first = None
+    for path, x in leaves:
+        shape = jnp.shape(x)
+        if len(shape) < 2 or shape[0] != n:
+            raise ValueError(
+                f"batch leaf {_checks.name(path)} has shape {shape}: expected [{n}, "
+                f"per_device_batch, ...] with a leading axis of {n} local devices; split it "
+                "with jdp.pmap.shard(rows) or feed it through jdp.data.Loader(..., "
+                "layout='pmap')")
+        if per_device is None:
+            per_device, first = shape[1], _checks.name(path)
+        elif shape[1] != per_device:
+            raise ValueError(f"batch leaf {_checks.name(path)} has {shape[1]} examples per "
+                             f"device but {first} has {per_device}: every leaf needs the same "
+                             "per-device batch")
+    if per_device % accum_steps:
+        raise ValueError(f"per-device batch {per_device} is not divisible by accum_steps="
+                         f"{accum_steps}: pick a batch size that is a multiple of "
+                         f"{accum_steps} x {n} devices")
+
+
+def _where(x: Any) -> str:
+    if isinstance(x, jax.Array) and x.ndim and len(x.sharding.device_set) == 1:
+        return "on one device"
+    return f"of shape {jnp.shape(x)}"
+
+
+def _stacked_leaf(x: jax.Array) -> bool:
+    """Placed by this module (`LOCAL_AXIS`), or returned by a pmap step: the local devices
+    split along `AXIS`, one row each (a mesh of this process's devices alone)."""
+    spec = getattr(x.sharding, "spec", None)
+    if not x.ndim or not spec:
+        return False
+    n = jax.local_device_count()
+    return spec[0] == LOCAL_AXIS or (spec[0] == AXIS and x.shape[0] == n
+                                      and x.sharding.mesh.size == n)
 
 
 def is_stacked(tree: Any) -> bool:
-    """Whether `tree` is in the pmap form (judged by its params, or its first array leaf)."""
-    return _state.layout(tree) == _mesh.STACKED
+    """Whether `tree` is in the pmap form, judged by its params (or its first array leaf)."""
+    leaves = jax.tree.leaves(getattr(tree, "params", tree))
+    return bool(leaves) and isinstance(leaves[0], jax.Array) and _stacked_leaf(leaves[0])
 
 
 def to_global(tree: Any) -> Any:
@@ -57,6 +220,5 @@ def to_global(tree: Any) -> Any:
 
 
 def like(template: Any, tree: Any) -> Any:
-    """`tree` in `template`'s form: stacked (replicated on the local devices) if the template
-    is, else unchanged."""
+    """`tree` in `template`'s form: stacked if the template is, else unchanged."""
     return replicate(jax.device_get(tree)) if is_stacked(template) else tree

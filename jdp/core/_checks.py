@@ -1,7 +1,8 @@
-"""Input checks for the parallel steps, raised before anything enters pmap.
+"""Input checks for the parallel steps: options when a step is made, inputs when it traces.
 
-Each error names the offending value, what was expected, and the fix, because inside pmap the
-same mistakes surface as shape errors deep in XLA.
+Each error names the offending value, what was expected, and the fix, because inside the
+compiled step the same mistakes surface as shape errors deep in XLA. The input checks run once
+per new input signature (while jit traces), never on the per-step path.
 """
 from __future__ import annotations
 
@@ -11,55 +12,45 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.core import _state
+from jdp.core import _mesh
 
 MAX_IN_FLIGHT = 16
 
+
 def train_options(grad_reduce: str, accum_steps: int, model_state_sync: Any,
-                  max_in_flight: int) -> None:
-    """Check `jdp.train_step`'s options."""
+                  max_in_flight: int, comm_dtype: Any = None) -> None:
+    """Check `jdp.train_step`'s options (once, when the step is made)."""
     if grad_reduce not in ("mean", "sum"):
         raise ValueError(f"grad_reduce={grad_reduce!r}: expected 'mean' (DDP) or 'sum'")
-    if not isinstance(accum_steps, int) or accum_steps < 1:
+    if not _is_int(accum_steps) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r}: expected an int >= 1 (1: no accumulation)")
     if model_state_sync not in ("mean", None):
         raise ValueError(f"model_state_sync={model_state_sync!r}: expected 'mean' or None; for "
                          f"SyncBatchNorm build the model with nn.BatchNorm(axis_name=jdp.AXIS)")
-    if not isinstance(max_in_flight, int) or not 1 <= max_in_flight <= MAX_IN_FLIGHT:
+    if not _is_int(max_in_flight) or not 1 <= max_in_flight <= MAX_IN_FLIGHT:
         raise ValueError(f"max_in_flight={max_in_flight!r}: expected an int in 1..{MAX_IN_FLIGHT}; "
                          "hundreds of queued multi-device all-reduces can stall XLA's CPU "
                          "rendezvous, and 2 already keeps the devices busy")
+    if comm_dtype is not None and not _is_float_dtype(comm_dtype):
+        raise ValueError(f"comm_dtype={comm_dtype!r}: expected a floating dtype such as "
+                         "jnp.bfloat16 (gradients would be truncated), or None")
 
-def backend(name: str) -> None:
-    """The parallel backend must be one jdp has."""
-    if name not in ("pmap", "shard_map"):
-        raise ValueError(f"backend={name!r}: expected 'pmap' (default) or 'shard_map'")
 
-def layout_options(layout: str, shard_optimizer: bool) -> None:
-    """Options that only one layout has."""
-    if shard_optimizer and layout != _state.GLOBAL:
-        raise ValueError("shard_optimizer=True needs the global layout: place the state with "
-                         "jdp.broadcast(state, shard_optimizer=True), not jdp.replicate")
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_float_dtype(dtype: Any) -> bool:
+    try:
+        return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        return False
 
 
 def name(path) -> str:
     """A tree path as users write it (`['params']['w']`), or <root>."""
     return jax.tree_util.keystr(path) or "<root>"
 
-def state_layout(state: Any) -> str:
-    """The layout the state is in; ValueError naming a leaf that is in neither."""
-    found = _state.layout(state)
-    if found is not None:
-        return found
-    leaves = jax.tree_util.tree_flatten_with_path(getattr(state, "params", state))[0]
-    if not leaves:
-        raise ValueError(f"state {type(state).__name__} has no array leaves: pass the train state")
-    path, leaf = leaves[0]
-    where = f"a {type(leaf).__name__} of shape {jnp.shape(leaf)}"
-    raise ValueError(
-        f"state leaf {name(path)} is {where} on no jdp layout: expected one copy per local "
-        f"device (pmap layout: pass the state through jdp.replicate(state) first) or a global "
-        f"array on jdp.mesh() (global layout: jdp.broadcast(state))")
 
 def not_donated(state: Any) -> None:
     """A state whose buffers went to an earlier step (donation) cannot be used again."""
@@ -70,48 +61,70 @@ def not_donated(state: Any) -> None:
                 "that step's output): use the state the step returned, `state, metrics = "
                 "step(state, batch)`, or build the step with donate=False to keep old states")
 
-def batch(tree: Any, layout: str, accum_steps: int = 1) -> None:
-    """Batch leaves must fit the layout: `[n, b, ...]` stacked, `[n*b, ...]` global."""
+
+def placed_state(state: Any, shard_optimizer: bool | None) -> None:
+    """Every leaf of the state is a global array replicated on `jdp.mesh()`, the optimizer
+    state sharded along `jdp.AXIS` instead under ZeRO (what `jdp.broadcast` makes).
+    `shard_optimizer=None` (an evaluation) takes either form of the optimizer state."""
+    opt = getattr(state, "opt_state", None)
+    rest = state.replace(opt_state=None) if opt is not None else state
+    leaves = jax.tree_util.tree_flatten_with_path(rest)[0]
+    if not leaves:
+        raise ValueError(f"state {type(state).__name__} has no array leaves: pass the train "
+                         "state, placed with jdp.broadcast(state)")
+    for path, x in leaves + jax.tree_util.tree_flatten_with_path(opt)[0]:
+        if not (isinstance(x, jax.Array) and x.sharding.device_set == _mesh_devices()):
+            raise ValueError(
+                f"state leaf {name(path)} is {_where(x)}, not a global array on jdp.mesh(): "
+                "place the state with jdp.broadcast(state) (a state from jdp.replicate, the "
+                "pmap form, goes with jdp.pmap.train_step)")
+    for path, x in leaves:
+        if not x.sharding.is_fully_replicated:
+            raise ValueError(f"state leaf {name(path)} is not replicated on jdp.mesh(): place "
+                             "the state with jdp.broadcast(state) (a state from jdp.replicate, "
+                             "the pmap form, goes with jdp.pmap.train_step)")
+    zero = [_row_sharded(x) for x in jax.tree.leaves(opt) if x.ndim]
+    if shard_optimizer is None:
+        return
+    if shard_optimizer and not all(zero):
+        raise ValueError("shard_optimizer=True: the optimizer state is not sharded; place the "
+                         "state with jdp.broadcast(state, shard_optimizer=True)")
+    if not shard_optimizer and any(zero):
+        raise ValueError("the optimizer state is sharded (jdp.broadcast(state, "
+                         "shard_optimizer=True)): pass shard_optimizer=True to the step too")
+
+
+def _row_sharded(x: jax.Array) -> bool:
+    return tuple(getattr(x.sharding, "spec", ()))[:1] == (_mesh.AXIS,)
+
+
+def _mesh_devices() -> set:
+    return set(_mesh.mesh().devices.flat)
+
+
+def _where(x: Any) -> str:
+    if isinstance(x, jax.Array):
+        return f"an array of shape {x.shape} on {len(x.sharding.device_set)} device(s)"
+    return f"a {type(x).__name__} of shape {jnp.shape(x)}"
+
+
+def global_batch(tree: Any, accum_steps: int) -> None:
+    """Batch leaves: global arrays on `jdp.mesh()` (or host arrays on one process) with one
+    leading size that splits evenly over all devices and micro-batches."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not leaves:
         raise ValueError("batch is empty: expected a pytree of arrays")
-    if layout == _state.GLOBAL:
-        return _global_batch(leaves, accum_steps)
-    n = jax.local_device_count()
-    per_device = None
+    n, size, first = jax.device_count(), None, None
     for path, x in leaves:
         shape = jnp.shape(x)
-        if len(shape) < 2 or shape[0] != n:
-            raise ValueError(
-                f"batch leaf {name(path)} has shape {shape}: expected [{n}, per_device_batch, "
-                f"...] with a leading axis of {n} local devices; split it with jdp.shard(batch) "
-                f"or feed it through jdp.data.Loader")
-        if per_device is None:
-            per_device, first = shape[1], name(path)
-        elif shape[1] != per_device:
-            raise ValueError(
-                f"batch leaf {name(path)} has {shape[1]} examples per device but {first} has "
-                f"{per_device}: every leaf needs the same per-device batch")
-    if per_device % accum_steps:
-        raise ValueError(f"per-device batch {per_device} is not divisible by accum_steps="
-                         f"{accum_steps}: pick a batch size that is a multiple of "
-                         f"{accum_steps} x {n} devices")
-
-def _global_batch(leaves: list, accum_steps: int) -> None:
-    """Global batch leaves: one leading size, split evenly over all devices and micro-batches."""
-    n = jax.device_count()
-    size = first = None
-    for path, x in leaves:
-        shape = jnp.shape(x)
-        if _state.is_stacked_placement(x):
-            raise ValueError(f"batch leaf {name(path)} is in the pmap layout [local_devices, "
-                             "...] but the state is global: use Loader(..., layout='global') or "
-                             "jdp.shard(batch, layout='global')")
+        if isinstance(x, jax.Array) and x.ndim and x.sharding.device_set != _mesh_devices():
+            raise ValueError(f"batch leaf {name(path)} is {_where(x)}, not a global batch on "
+                             "jdp.mesh(): make batches with jdp.shard(rows) or jdp.data.Loader "
+                             "(pmap-form batches [local_devices, ...] go with jdp.pmap.train_step)")
         if jax.process_count() > 1 and not isinstance(x, jax.Array):
             raise ValueError(f"batch leaf {name(path)} is a host {type(x).__name__}: on "
-                             f"{jax.process_count()} processes the global layout needs global "
-                             "arrays; use Loader(..., layout='global') or jdp.shard(batch, "
-                             "layout='global')")
+                             f"{jax.process_count()} processes a batch must be global arrays; "
+                             "make it with jdp.shard(rows) or jdp.data.Loader")
         if not shape or shape[0] % (n * accum_steps):
             raise ValueError(f"batch leaf {name(path)} has shape {shape}: the global batch must "
                              f"split evenly over {n} devices x accum_steps={accum_steps}; use a "
@@ -121,46 +134,6 @@ def _global_batch(leaves: list, accum_steps: int) -> None:
         elif shape[0] != size:
             raise ValueError(f"batch leaf {name(path)} has {shape[0]} examples but {first} has "
                              f"{size}: every leaf needs the same batch size")
-
-def state_in_layout(state: Any, layout: str, shard_optimizer: bool) -> None:
-    """Every leaf of the state is placed as its layout (and ZeRO) requires."""
-    if layout == _state.STACKED:
-        return replicated_state(state, jax.local_device_count())
-    opt = getattr(state, "opt_state", None)
-    for path, x in jax.tree_util.tree_flatten_with_path(state.replace(opt_state=None) if (
-            shard_optimizer and opt is not None) else state)[0]:
-        if _state.layout_of_leaf(x) != _state.GLOBAL or not x.sharding.is_fully_replicated:
-            raise ValueError(f"state leaf {name(path)} is not replicated on jdp.mesh(): place "
-                             "the whole state with jdp.broadcast(state)")
-    if shard_optimizer:
-        from jdp.core import _zero
-        logical = jax.eval_shape(state.tx.init, state.params)
-        if not _zero.is_stored(opt, logical):
-            raise ValueError("shard_optimizer=True: the optimizer state is not sharded; place "
-                             "the state with jdp.broadcast(state, shard_optimizer=True)")
-
-def replicated_state(tree: Any, n: int) -> None:
-    """Every leaf must carry one copy per local device (what `jdp.replicate` makes)."""
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = jnp.shape(x)
-        single = (isinstance(x, jax.Array) and n > 1 and len(x.sharding.device_set) == 1)
-        if not shape or shape[0] != n or single:
-            where = "on one device" if single else f"of shape {shape}"
-            raise ValueError(
-                f"state leaf {name(path)} is {where}: expected one copy per local device "
-                f"(leading axis {n}); pass the state through jdp.replicate(state) first")
-
-def signature(state: Any, tree: Any) -> tuple:
-    """Hashable structure + shapes of the step's inputs: checks run once per signature."""
-    leaves, treedef = jax.tree.flatten((state, tree))
-    # Attribute reads, not jnp.shape/result_type: this runs on every step.
-    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)))
-                          for x in leaves)
-
-def trace(parallel_step: Callable, state: Any, tree: Any, stop: Any) -> None:
-    """Trace the parallel step abstractly once per signature, so errors in the user's function
-    surface here, before anything runs or is donated."""
-    jax.eval_shape(parallel_step, state, tree, stop)
 
 
 def loss_output(out: Any, has_aux: bool, has_model_state: bool) -> tuple:

@@ -3,7 +3,7 @@
 The user's loss called in its one documented form, its gradient over k micro-batches (no
 communication inside the loop, as DDP's `no_sync`), the model state (BatchNorm statistics)
 threaded through and synced, and the metrics all-reduced with jdp's stop flag riding along.
-`jdp.step` runs this on every device, under `jax.pmap` or `jax.shard_map`.
+`jdp.core._step` runs this on every device inside `jax.shard_map`, `jdp.pmap` under `jax.pmap`.
 """
 from __future__ import annotations
 

@@ -58,6 +58,13 @@ def is_stored(opt_state: Any, logical: Any) -> bool:
         want) == jax.tree.leaves(have)
 
 
+def gathered(opt_state: Any, logical: Any) -> Any:
+    """The stored optimizer state as its logical leaves, whole and replicated on every device."""
+    unpad = lambda x, like: x[:like.shape[0]] if like.shape else x  # noqa: E731
+    return jax.jit(lambda stored: jax.tree.map(unpad, stored, logical),
+                   out_shardings=_mesh.replicated())(opt_state)
+
+
 def scatter_gradients(grads: Any, mean: bool, comm_dtype: Any) -> Any:
     """Inside shard_map: each device's 1/N slice (rows) of the summed or averaged gradient."""
     n = lax.axis_size(AXIS)

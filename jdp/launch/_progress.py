@@ -38,6 +38,7 @@ _first_stop = 0.0
 _agreed = False
 _agreed_seen = False                       # has a jdp step ever reported an agreed flag?
 _handler_installed = False
+_pending_agreed: list = [None]           # the newest step's agreed flag, read on demand
 
 
 def record(phase: str, step: int | None = None) -> None:
@@ -94,11 +95,23 @@ def stop_flag() -> bool:
     return _local_stop
 
 
-def set_agreed(flag: bool) -> None:
-    """The stop decision every rank computed in the same step's all-reduce."""
+def set_agreed(flag) -> None:
+    """The stop decision every rank computed in the same step's all-reduce: a bool, or a
+    function that reads it (called only when `preempted()` asks, off the step's path)."""
     global _agreed, _agreed_seen
-    _agreed = _agreed or bool(flag)
+    if callable(flag):
+        _pending_agreed[0] = flag
+    else:
+        _agreed = _agreed or bool(flag)
     _agreed_seen = True
+
+
+def _read_agreed() -> bool:
+    global _agreed
+    read, _pending_agreed[0] = _pending_agreed[0], None
+    if read is not None:
+        _agreed = _agreed or bool(read())
+    return _agreed
 
 
 def preempted() -> bool:
@@ -119,7 +132,7 @@ def preempted() -> bool:
     loop) it is this process's own flag, not an agreed one.
     """
     _catch_sigterm()
-    return _agreed if _agreed_seen else _local_stop
+    return _read_agreed() if _agreed_seen else _local_stop
 
 
 def _catch_sigterm() -> None:

@@ -1,0 +1,105 @@
+"""The per-call path of every jdp step, kept to what `jax.jit`'s own dispatch costs.
+
+A step call records progress for the launcher's watchdog, hands over a cached stop flag, and
+dispatches the compiled step; nothing walks the state or the batch in Python. The input
+checks (`check(state, batch)`) run only while the transform traces, that is once per new
+input signature, where jit does its own work. Run-ahead is bounded: once more than
+`max_in_flight` steps are queued, the call waits for the oldest.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp.core import _checks
+from jdp.launch import _progress
+
+
+def make_step(body: Callable, check: Callable, transform: Callable, place_stop: Callable, *,
+              max_in_flight: int, train: bool, donate: bool = False) -> Callable:
+    """`step(state, batch)` running `transform(body)(state, batch, stop) -> (out, done)`.
+
+    Args:
+        body: the step on global (or stacked) inputs; returns its outputs and one small array
+            that is ready when the step is (a train step's agreed stop flag).
+        check: `check(state, batch)` on the concrete inputs of a call that traces.
+        transform: `jax.jit` or `jax.pmap` with the step's options (donation).
+        place_stop: `place_stop(flag) -> array`, the per-device stop flag the body takes.
+        max_in_flight: steps dispatched ahead before the call waits for the oldest.
+        train: a train step (counts steps, hands the agreed stop flag to `jdp.preempted`).
+        donate: the transform donates the state; a call with a state whose buffers went to an
+            earlier step is then refused (XLA would crash on it). A donated state has every
+            leaf deleted, so its step counter alone tells.
+    """
+    tracing: list = [None]   # the concrete inputs of the call under way, for `check`
+
+    def traced(state, batch, stop):
+        if tracing[0] is not None:
+            check(*tracing[0])
+        return body(state, batch, stop)
+
+    compiled = transform(traced)
+    stops: dict = {}
+    pending: collections.deque = collections.deque()
+    calls = [0]
+    phase = "step" if train else "eval"
+
+    def stop_array() -> Any:
+        flag = _progress.stop_flag()
+        if flag not in stops:
+            stops[flag] = place_stop(flag)
+        return stops[flag]
+
+    def step(state, batch):
+        if donate and _deleted(getattr(state, "step", None)):
+            _checks.not_donated(state)
+        calls[0] += 1
+        # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
+        _progress.record(phase, calls[0] if train else None)
+        tracing[0] = (state, batch)
+        try:
+            out, done = compiled(state, batch, stop_array())
+        except Exception:
+            check(state, batch)  # inputs the transform refused before tracing: say why
+            raise
+        finally:
+            tracing[0] = None
+        pending.append(done)
+        if len(pending) > max_in_flight:
+            _settle(pending.popleft(), train)
+        return out
+
+    def lower(state, batch):
+        tracing[0] = (state, batch)
+        try:
+            return compiled.lower(state, batch, stop_array())
+        finally:
+            tracing[0] = None
+
+    step.lower = lower
+    return step
+
+
+def _deleted(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and leaf.is_deleted()
+
+
+def _settle(done: jax.Array, train: bool) -> None:
+    """Wait for an old step; a train step's agreed stop flag goes to `jdp.preempted()`, which
+    reads it only when asked.
+
+    Every rank waits on the same step at the same call, so the flag it reads there is the
+    same on every rank.
+    """
+    done.block_until_ready()
+    if train:
+        _progress.set_agreed(lambda: float(np.asarray(done.addressable_data(0)).reshape(-1)[0]) > 0)
+
+
+def stop_values(flag: bool, devices: int) -> np.ndarray:
+    """This process's per-device stop flags, as host values."""
+    return np.full(devices, float(flag), np.float32)
