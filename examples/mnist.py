@@ -22,6 +22,7 @@ import time
 if __name__ == "__main__":  # simulated CPU devices, set before jax starts; GPUs ignore it
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import example_data  # the examples' data, a sibling module
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -85,8 +86,8 @@ def metric_fn(state, batch):
 
 def make_loaders(args) -> tuple[jdp.data.Loader, jdp.data.Loader]:
     """Per-process loaders: a shuffled train split without its partial tail, the full test split."""
-    train = jdp.datasets.load(args.dataset, "train", data_dir=args.data_dir)
-    test = jdp.datasets.load(args.dataset, "test", data_dir=args.data_dir)
+    train = example_data.load(args.dataset, "train", data_dir=args.data_dir)
+    test = example_data.load(args.dataset, "test", data_dir=args.data_dir)
     per_process = args.batch_size // jax.process_count()
     train_sampler = jdp.data.DistributedSampler(len(train), shuffle=True, seed=args.seed)
     test_sampler = jdp.data.DistributedSampler(len(test), shuffle=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+import example_data  # the examples' data, a sibling module
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ def nll_loss(params, batch):
 
 def main(rank: int, args: argparse.Namespace) -> None:
     """One process's training loop; `rank` is this process's index, as in `mp.spawn`."""
-    source = jdp.datasets.load(args.dataset, "train", data_dir=args.data_dir)
+    source = example_data.load(args.dataset, "train", data_dir=args.data_dir)
     sampler = jdp.data.DistributedSampler(len(source), shuffle=True, seed=args.seed)
     loader = jdp.data.Loader(source, args.batch_size, sampler=sampler, drop_last=True,
                              layout="global")

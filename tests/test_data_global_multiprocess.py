@@ -1,4 +1,4 @@
-"""Loader(layout="global") on 2 processes x 2 devices (launcher): one global array per leaf,
+"""Loader's default (global) batches on 2 processes x 2 devices (launcher): one global array per leaf,
 [batch_size * 2, ...], each process's rows (its sampler's examples) on its own devices."""
 import json
 
@@ -12,7 +12,7 @@ from jdp.core._mesh import batch_sharded
 
 jdp.initialize()
 rank = jax.process_index()
-loader = jdp.data.Loader({"id": np.arange(50)}, 4, shuffle=False, layout="global")
+loader = jdp.data.Loader({"id": np.arange(50)}, 4, shuffle=False)
 out = []
 for batch in loader:
     leaf = batch["id"]

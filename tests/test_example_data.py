@@ -1,15 +1,22 @@
-"""jdp.datasets: real MNIST offline (mnist5k), the offline digits, MNIST through TFDS (mocked,
-no network, no TensorFlow), and the one-line error for a dataset that is not prepared."""
+"""The examples' data (examples/example_data.py): real MNIST offline (mnist5k), the offline
+digits, MNIST through TFDS (mocked, no network, no TensorFlow), and the one-line error for a
+dataset that is not prepared."""
+import importlib.util
+import os
 import tempfile
 import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_one_line
+from conftest import REPO, assert_one_line
 
-import jdp
 from jdp.data import DistributedSampler, Loader
+
+_SPEC = importlib.util.spec_from_file_location(
+    "example_data", os.path.join(REPO, "examples", "example_data.py"))
+example_data = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(example_data)
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +27,7 @@ def tfds_temp_dirs_inside_tmp_path(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def mnist5k():
-    return {split: jdp.datasets.load("mnist5k", split).arrays for split in ("train", "test")}
+    return {split: example_data.load("mnist5k", split).arrays for split in ("train", "test")}
 
 
 def test_mnist5k_is_mlxtends_5000_digits_split_4000_1000_per_class(mnist5k):
@@ -38,7 +45,7 @@ def test_mnist5k_is_mlxtends_5000_digits_split_4000_1000_per_class(mnist5k):
         return sorted(bytes(row) + bytes([int(label)]) for row, label in zip(x, y, strict=True))
 
     assert key(ours, ours_labels) == key(pixels.astype(np.uint8), labels)
-    again = jdp.datasets.load("mnist5k", "test")
+    again = example_data.load("mnist5k", "test")
     np.testing.assert_array_equal(again.arrays["image"], test["image"])
     # the file is sorted by label; each split is mixed, so any slice samples every class
     assert all(len(set(train["label"][i:i + 64])) >= 8 for i in range(0, 4000, 64))
@@ -54,7 +61,7 @@ def test_mnist5k_train_and_test_do_not_overlap_and_show_digits(mnist5k):
 
 @pytest.fixture(scope="module")
 def digits():
-    return {split: jdp.datasets.load("digits", split).arrays for split in ("train", "test")}
+    return {split: example_data.load("digits", split).arrays for split in ("train", "test")}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +78,7 @@ def test_digits_are_mnist_shaped_and_split_80_20_per_class(digits, sklearn_digit
     np.testing.assert_array_equal(np.bincount(test["label"]), np.round(per_class * 0.2))
     np.testing.assert_array_equal(np.bincount(train["label"]) + np.bincount(test["label"]),
                                   per_class)
-    again = jdp.datasets.load("digits", "test")
+    again = example_data.load("digits", "test")
     np.testing.assert_array_equal(again.arrays["image"], test["image"])
     assert len(again) == 359 and again[4]["image"].shape == (28, 28, 1)
 
@@ -99,17 +106,17 @@ def test_digits_train_and_test_do_not_overlap(digits):
 
 def test_unknown_names_and_splits_are_rejected():
     with pytest.raises(ValueError, match="'cifar'.*mnist5k.*digits"):
-        jdp.datasets.load("cifar", "train")
+        example_data.load("cifar", "train")
     with pytest.raises(ValueError, match="'validation'"):
-        jdp.datasets.load("digits", "validation")
+        example_data.load("digits", "validation")
     with pytest.raises(ValueError, match="mnist5k has no split 'val'"):
-        jdp.datasets.load("mnist5k", "val")
+        example_data.load("mnist5k", "val")
 
 
 def test_mnist_not_prepared_offline_fails_fast_with_a_one_line_fix(tmp_path):
     start = time.monotonic()
     with pytest.raises(ValueError) as info:
-        jdp.datasets.load("mnist", "train", data_dir=str(tmp_path))
+        example_data.load("mnist", "train", data_dir=str(tmp_path))
     assert time.monotonic() - start < 20
     assert_one_line(info.value, [str(tmp_path), 'pip install "jdp[prepare]"',
                                  "download_and_prepare", "file_format='array_record'",
@@ -120,7 +127,7 @@ def test_mnist_not_prepared_offline_fails_fast_with_a_one_line_fix(tmp_path):
 def test_tfds_source_feeds_the_loader_under_mock_data(tmp_path, name):
     tfds = pytest.importorskip("tensorflow_datasets")
     with tfds.testing.mock_data(num_examples=37, policy=tfds.testing.MockPolicy.USE_CODE):
-        source = jdp.datasets.load(name, "train", data_dir=str(tmp_path))
+        source = example_data.load(name, "train", data_dir=str(tmp_path))
         assert len(source) == 37
         example = source[3]
         assert example["image"].shape == (28, 28, 1) and example["image"].dtype == np.uint8
@@ -129,7 +136,7 @@ def test_tfds_source_feeds_the_loader_under_mock_data(tmp_path, name):
             sampler = DistributedSampler(37, num_replicas=2, rank=rank, shuffle=True, seed=1)
             real = sampler.indices()[~sampler.is_padding()]  # epoch 0; iterating moves to 1
             batches = list(Loader(source, 16, sampler=sampler))
-            assert len(batches) == 2 and batches[0]["image"].shape == (8, 2, 28, 28, 1)
+            assert len(batches) == 2 and batches[0]["image"].shape == (16, 28, 28, 1)
             images = np.concatenate([np.asarray(b["image"])[np.asarray(b["mask"])]
                                      for b in batches])
             np.testing.assert_array_equal(images, np.stack([source[i]["image"] for i in real]))
@@ -141,5 +148,5 @@ def test_a_failed_tfds_load_leaves_no_temporary_directories(tmp_path):
     pytest.importorskip("tensorflow_datasets")
     before = set(tmp_path.iterdir())  # tempfile points here (the autouse fixture)
     with pytest.raises(ValueError):
-        jdp.datasets.load("mnist", "train", data_dir=str(tmp_path / "none"))
+        example_data.load("mnist", "train", data_dir=str(tmp_path / "none"))
     assert set(tmp_path.iterdir()) == before

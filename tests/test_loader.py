@@ -1,5 +1,5 @@
-"""Loader: per-device batches on the 8 simulated devices, padding mask, resumable position,
-prefetch thread lifetime, batched reads, errors.
+"""Loader: global batches on the 8 simulated devices (and the pmap form), padding mask,
+resumable position, prefetch thread lifetime, batched reads, errors.
 
 Two ranks are simulated in one process by giving the sampler `rank`/`num_replicas`; both
 ranks' loaders feed the same 8 local devices.
@@ -62,8 +62,38 @@ def test_every_example_appears_once_per_epoch_across_ranks_once_padding_is_maske
     assert sorted(seen) == list(range(N))
 
 
-def test_leaves_are_arrays_sharded_over_the_8_devices_with_the_source_rows(source):
+def test_by_default_leaves_are_global_arrays_sharded_along_the_axis_with_the_samplers_rows(
+        source):
+    import jdp
+
     loader = make(source, rank=1)
+    # independent: rank 1 of 2 reads the epoch's permutation at positions 1, 3, 5, ...
+    order = np.random.default_rng(5).permutation(N)
+    chosen = np.resize(order, 2 * 102)[1::2]
+    chosen_real = np.arange(1, 2 * 102, 2) < N  # the last one repeats order[0]: padding
+    mesh_devices = list(jdp.mesh().devices.flat)
+    batches = list(loader)
+    for b, batch in enumerate(batches):
+        assert set(batch) == {"x", "id", "mask"}
+        for key, shape in [("x", (BATCH, 3)), ("id", (BATCH,)), ("mask", (BATCH,))]:
+            leaf = batch[key]
+            assert isinstance(leaf, jax.Array) and leaf.shape == shape
+            assert leaf.sharding.mesh == jdp.mesh()
+            assert leaf.sharding.spec == jax.sharding.PartitionSpec(jdp.AXIS)
+            by_row = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start)
+            assert [s.device for s in by_row] == mesh_devices
+            assert [s.data.shape[0] for s in by_row] == [BATCH // 8] * 8
+        want = chosen[b * BATCH:(b + 1) * BATCH]
+        real = np.asarray(batch["mask"])
+        np.testing.assert_array_equal(real[:len(want)], chosen_real[b * BATCH:(b + 1) * BATCH])
+        assert not real[len(want):].any()
+        np.testing.assert_array_equal(np.asarray(batch["id"])[:len(want)], want)
+        np.testing.assert_array_equal(np.asarray(batch["x"])[:len(want)], source["x"][want])
+    assert len(batches) == 4
+
+
+def test_pmap_layout_leaves_are_stacked_over_the_8_devices_with_the_source_rows(source):
+    loader = make(source, rank=1, layout="pmap")
     devices = jax.local_devices()
     assert len(devices) == 8
     for batch in loader:
@@ -366,8 +396,8 @@ def test_array_source_counts_examples_and_reads_like_the_dict(source):
 def test_global_layout_is_the_pmap_batch_flattened_into_one_array_sharded_over_the_mesh(source):
     from jdp.core._mesh import batch_sharded
 
-    stacked = list(make(source, rank=1))
-    flat = list(make(source, rank=1, layout="global"))
+    stacked = list(make(source, rank=1, layout="pmap"))
+    flat = list(make(source, rank=1))
     assert len(flat) == len(stacked) == 4
     for g, p in zip(flat, stacked, strict=True):
         assert set(g) == {"x", "id", "mask"}
@@ -386,3 +416,9 @@ def test_layout_is_checked_and_devices_only_go_with_pmap(source):
     one_line_error(ValueError, ["layout='stacked'", "'global'"], make, source, layout="stacked")
     one_line_error(ValueError, ["devices=", "layout='global'"], make, source, layout="global",
                    devices=jax.local_devices())
+    one_line_error(ValueError, ["devices=", "layout='pmap'"], make, source,
+                   devices=jax.local_devices())  # the default layout is global
+    reverse = jax.local_devices()[::-1]
+    batch = next(iter(make(source, layout="pmap", devices=reverse)))
+    by_slice = sorted(batch["id"].addressable_shards, key=lambda s: s.index[0].start)
+    assert [s.device for s in by_slice] == reverse

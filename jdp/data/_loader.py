@@ -1,14 +1,10 @@
-"""Feeding data-parallel steps: `DistributedSampler` (torch semantics), `Loader`, `ArraySource`.
+"""`Loader`: this process's examples as global batches on `jdp.mesh()`, resumable anywhere.
 
-`DistributedSampler` splits the example indices of one epoch over the processes exactly as
-`torch.utils.data.DistributedSampler` does. `Loader` reads this process's examples a batch at a
-time (in this process, or in `num_workers` worker processes), splits each batch over the local
-devices (`layout="pmap"`: `[local_devices, per_device, ...]`) or makes it this process's part of
-one global array (`layout="global"`), adds `batch["mask"]` (False for padding) and puts
-batches on the devices ahead of use in a background thread. `ArraySource` holds in-memory
-examples as a dict of arrays (the fast path). The Loader's position (`epoch`, `step`, and the
-global `offset` into the epoch) is resumable through `state_dict()`, also onto another number
-of processes::
+The Loader reads the examples its `DistributedSampler` chooses a batch at a time (in this
+process, or in `num_workers` worker processes), adds `batch["mask"]` (False for padding),
+puts each batch on the devices ahead of use in a background thread, and keeps its position
+(`epoch`, `step`, and the global `offset` into the epoch) resumable through `state_dict()`,
+also onto another number of processes::
 
     source = jdp.data.ArraySource({"image": images, "label": labels})
     sampler = jdp.data.DistributedSampler(len(source), shuffle=True, seed=0)
@@ -19,47 +15,46 @@ of processes::
             state, metrics = step(state, batch)
 
 Padding: `batch["mask"]` is False for (1) the sampler's padding, which repeats indices from the
-start of the epoch's list so that every process gets the same number of examples (torch's
-padding), and (2) the rows that fill the last partial batch of an epoch up to `batch_size`.
-With both masked out, every example of the source counts exactly once per epoch over all
-processes, so evaluation over a whole split is exact (`jdp.eval_step` weights by the mask).
-
-Augmentation that replays: a transform with a parameter named `rng` gets one
-`numpy.random.Generator` per row, seeded by (sampler seed, epoch, example index), so an
-example's augmentation does not depend on the worker count, the process count or where a run
-resumed.
+start of the epoch's list so that every process gets the same number of examples, and (2) the
+rows that fill the last partial batch of an epoch up to `batch_size`. With both masked out,
+every example counts exactly once per epoch over all processes, so evaluation over a whole
+split is exact (`jdp.eval_step` weights by the mask).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
-from jdp.data import _batches, _loader_checks, _position, _prefetch, _sources, _workers
-from jdp.launch import _progress
-from jdp.data._sampler import DistributedSampler, _require_int
+from jdp import pmap
 from jdp.core import _mesh
-from jdp.data._sources import ArraySource
+from jdp.data import _background, _sampler, _sources
+from jdp.data._sampler import DistributedSampler, _require_int
+from jdp.launch import _progress
+
+LAYOUTS = ("global", "pmap")
 
 
 class Loader:
-    """Per-device batches of this process's examples, prefetched onto the local devices.
+    """Global batches of this process's examples, prefetched onto the devices.
 
     Iterating yields the rest of the current epoch (`loader.epoch`) as dicts: the source's
-    fields, each a `jax.Array` `[local_devices, batch_size // local_devices, ...]` sharded one
-    slice per device in `jax.local_devices()` order (what a jdp step takes), plus
-    `batch["mask"]`, bool `[local_devices, per_device]`: True for real examples, False for
+    fields, each one global `jax.Array` `[batch_size * jax.process_count(), ...]` sharded along
+    `jdp.AXIS` over `jdp.mesh()` (this process's rows on its own devices: what `jdp.train_step`
+    takes), plus `batch["mask"]`, bool `[global_batch]`: True for real examples, False for
     padding. After the last batch `epoch` advances by one and `step` returns to 0; stopping
     early keeps the position, so the next iteration continues there.
 
-    `batch_size` is per process (like torch's DataLoader): what this process feeds its local
-    devices, split evenly over them. The epoch's last partial batch is padded up to
-    `batch_size` (its padding rows masked out) unless `drop_last=True` drops it. Examples are read
-    a batch at a time (`source.__getitems__`, or numpy fancy indexing for a dict of arrays).
+    `batch_size` is per process: the examples this process feeds its local devices, split
+    evenly over them. The epoch's last partial batch is padded up to `batch_size` (its padding
+    rows masked out) unless `drop_last=True` drops it. Examples are read a batch at a time
+    (`source.__getitems__`, or numpy fancy indexing for a dict of arrays).
 
     Args:
         source: an `ArraySource` or a dict of arrays with one row per example (read by numpy
@@ -68,23 +63,23 @@ class Loader:
         batch_size: examples per batch on this process, a multiple of the local device count.
         sampler: a `DistributedSampler` over `len(source)` examples; default: one over all
             processes with the `shuffle` and `seed` given here.
-        shuffle: for the default sampler only (as torch's DataLoader `shuffle`).
+        shuffle: for the default sampler only.
         seed: for the default sampler only.
         transform: `transform(batch) -> batch` on host numpy arrays `[batch_size, ...]` (e.g.
             normalise, cast); it sees padding rows too and must keep the leading axis. For
             random augmentation declare a parameter named `rng`: `transform(batch, rng)` gets
             `rng`, a list of `batch_size` numpy Generators, row j's seeded by `(sampler.seed,
-            epoch, index of row j's example)`; draw row j's randomness from `rng[j]` only.
+            epoch, index of row j's example)`; draw row j's randomness from `rng[j]` only, and
+            an example's augmentation replays on any worker or process count and resume point.
         drop_last: drop the last partial batch of each epoch instead of padding it.
         prefetch: batches prepared and put on the devices ahead by a background thread; 0 reads
             in the consuming thread.
-        devices: the devices to split over; default `jax.local_devices()` (pmap's order).
-            Only for `layout="pmap"`.
+        devices: with `layout="pmap"` only: the devices to split over; default
+            `jax.local_devices()` (pmap's order).
         timeout: seconds to wait for one batch before raising TimeoutError; None waits forever.
-        layout: "pmap" (default): leaves `[local_devices, per_device, ...]` as above. "global":
-            each leaf one global `jax.Array` `[batch_size * process_count, ...]` sharded along
-            `jdp.AXIS` over `jdp.mesh()` (`NamedSharding(mesh, P(AXIS))`), this process's rows
-            on its own devices, `batch["mask"]` `[global_batch]`: what a jit/shard_map step takes.
+        layout: "global" (default) as above; "pmap", the classic pmap form: leaves
+            `[local_devices, batch_size // local_devices, ...]`, slice i on device i (what
+            `jdp.pmap.train_step` takes), `batch["mask"]` `[local_devices, per_device]`.
         num_workers: worker processes that read and transform (0: the prefetch thread does).
             The batches are those of `num_workers=0`, in the same order. Workers are started
             at the first iteration (by a 'forkserver', never forked from this process) and
@@ -93,20 +88,22 @@ class Loader:
             `if __name__ == "__main__":`.
 
     Example:
+        >>> import numpy as np
         >>> loader = Loader({"x": np.zeros((100, 3)), "y": np.arange(100)}, batch_size=16)
-        >>> batch = next(iter(loader))   # with 8 devices: batch["x"].shape == (8, 2, 3)
-        >>> len(loader), loader.step      # 7 batches per epoch (the last one padded), 1 taken
-        (7, 1)
+        >>> batch = next(iter(loader))
+        >>> batch["x"].shape, len(loader), loader.step   # 7 batches (the last padded), 1 taken
+        ((16, 3), 7, 1)
     """
 
     def __init__(self, source: Any, batch_size: int, sampler: DistributedSampler | None = None,
                  *, shuffle: bool | None = None, seed: int | None = None,
                  transform: Callable[..., dict] | None = None, drop_last: bool = False,
                  prefetch: int = 2, devices: Sequence[jax.Device] | None = None,
-                 timeout: float | None = 300.0, layout: str = "pmap", num_workers: int = 0):
+                 timeout: float | None = 300.0, layout: str = "global", num_workers: int = 0):
         num_examples, read = _sources.make_reader(source)
-        self.sampler = _loader_checks.default_sampler(sampler, num_examples, shuffle, seed)
-        self.layout = _loader_checks.layout(layout, devices)
+        self.sampler = _default_sampler(sampler, num_examples, shuffle, seed)
+        self._place = _placement(layout, devices)  # the one place the layout is looked at
+        self.layout = layout
         self.devices = list(jax.local_devices() if devices is None else devices)
         self.batch_size = _require_int("Loader", "batch_size", batch_size, 1,
                                        "pass the number of examples per batch on this process")
@@ -116,16 +113,13 @@ class Loader:
         self.num_workers = _require_int("Loader", "num_workers", num_workers, 0,
                                         "pass the number of worker processes (0: read here)")
         self.timeout = timeout
-        _loader_checks.loader_args(self, num_examples)
-        self._recipe = _batches.Recipe(read, transform, _batches.wants_rng(transform))
+        _check_args(self, num_examples)
+        self._recipe = _sources.Recipe(read, transform, _sources.wants_rng(transform))
         if self.num_workers:
-            _workers.check_picklable(self._recipe, self.num_workers)
-        self._place = functools.partial(
-            _mesh.place_batch, layout=self.layout,
-            sharding=None if self.layout == _mesh.GLOBAL else _mesh.local_sharding(devices))
+            _background.check_picklable(self._recipe, self.num_workers)
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
-        self._pool: _workers.Pool | None = None
+        self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
 
     def __len__(self) -> int:
@@ -133,7 +127,7 @@ class Loader:
         return self._num_batches(0)
 
     def _num_batches(self, start: int) -> int:
-        per_rank = _position.pass_length(self.sampler, start)
+        per_rank = self.sampler.pass_length(start)
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
     @property
@@ -151,8 +145,8 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of epoch `epoch`; a no-op when already in it (resumes mid-epoch).
 
-        Like torch's `sampler.set_epoch`: call it before iterating each epoch. Calling the
-        sampler's `set_epoch` directly has the same effect.
+        Call it before iterating each epoch; calling the sampler's `set_epoch` directly has the
+        same effect.
         """
         epoch = _require_int("Loader.set_epoch", "epoch", epoch, 0,
                              "pass the epoch number, counted from 0")
@@ -161,24 +155,30 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict]:
         self._follow_sampler()
-        _loader_checks.not_nested(self._active() if self._active else None,
-                                  (self._epoch, self._step))
+        active = self._active() if self._active else None
+        if active is not None and inspect.getgeneratorstate(active) in (
+                inspect.GEN_SUSPENDED, inspect.GEN_RUNNING):
+            raise RuntimeError(f"Loader: iter(loader) while an earlier iterator over it is still "
+                               f"active at (epoch, step)={(self._epoch, self._step)}: nested "
+                               "loops over one Loader would share its position; finish, break "
+                               "out of or close() the first loop, or build a second Loader for "
+                               "the inner one")
         self._close_active()
         batches = self._iterate()
         self._active = weakref.ref(batches)
         return batches
 
     def _iterate(self) -> Iterator[dict]:
-        indices, real = _position.pass_rows(self.sampler, self._start)
-        plan = _batches.EpochPlan(indices, real, self.batch_size, self.sampler.seed, self._epoch)
+        indices, real = self.sampler.pass_rows(self._start)
+        plan = _sources.EpochPlan(indices, real, self.batch_size, self.sampler.seed, self._epoch)
         items = range(self._step, self._num_batches(self._start))
         host, place = self._host_batches(plan, items), self._place
 
         def build(b: int) -> dict:
             return place(host(b))
 
-        with contextlib.closing(_prefetch.prefetched(build, items, self.prefetch,
-                                                     self.timeout)) as batches:
+        with contextlib.closing(_background.prefetched(build, items, self.prefetch,
+                                                       self.timeout)) as batches:
             for batch in batches:
                 self._step += 1
                 _progress.record("data")  # a rank stuck reading shows phase "data"
@@ -186,14 +186,14 @@ class Loader:
         self._active = None  # finished: _move must not close this (running) generator
         self._move(self._epoch + 1, 0)
 
-    def _host_batches(self, plan: _batches.EpochPlan, items: range) -> Callable[[int], dict]:
+    def _host_batches(self, plan: _sources.EpochPlan, items: range) -> Callable[[int], dict]:
         """`b -> host batch b`: built here, or asked of the worker processes."""
         if not self.num_workers:
-            return functools.partial(_batches.host_batch, self._recipe, plan)
+            return functools.partial(_sources.host_batch, self._recipe, plan)
         if self._pool is not None and self._pool.broken:
             self._stop_workers()
         if self._pool is None:
-            self._pool = _workers.Pool(self._recipe, self.num_workers)
+            self._pool = _background.Pool(self._recipe, self.num_workers)
             self._stop_pool = weakref.finalize(self, self._pool.close)
         return self._pool.start_pass(plan, items, ahead=2 * self.num_workers)
 
@@ -225,7 +225,7 @@ class Loader:
         s, epoch, step, start = self.sampler, self.epoch, self.step, self._start
         if step and step == self._num_batches(start):
             epoch, step, start = epoch + 1, 0, 0
-        at = _position.offset(s, _position.Position(epoch, start, step), self.batch_size)
+        at = _sampler.offset(s, _sampler.Position(epoch, start, step), self.batch_size)
         return {"epoch": epoch, "step": step, "start": start, "offset": at,
                 "num_examples": s.num_examples, "num_replicas": s.num_replicas,
                 "shuffle": s.shuffle, "seed": s.seed, "sampler_drop_last": s.drop_last,
@@ -237,13 +237,13 @@ class Loader:
         With the same number of processes and batch size the same remaining batches follow
         (bitwise). With another (an elastic restart), the epoch continues with exactly the
         examples no process had consumed, each once, split over the new processes as a fresh
-        epoch would be (torch's padding, masked); the next epochs are whole as usual.
+        epoch would be (padding masked); the next epochs are whole as usual.
 
         Raises:
             ValueError: the saved dataset size, shuffle, seed or sampler drop_last differ from
                 this loader's (the epoch's order would differ), or the position is outside it.
         """
-        pos = _position.restored(state, self.state_dict(), self._num_batches)
+        pos = _sampler.restored(state, self.state_dict(), self._num_batches)
         self._move(pos.epoch, pos.step, pos.start)
 
     def _move(self, epoch: int, step: int, start: int = 0) -> None:
@@ -252,7 +252,7 @@ class Loader:
         self._epoch, self._start, self._step = epoch, start, step
 
     def _follow_sampler(self) -> None:
-        # Someone called sampler.set_epoch(e) directly (the torch habit): treat it as ours.
+        # Someone called sampler.set_epoch(e) directly: treat it as ours.
         if self.sampler.epoch != self._epoch:
             self._move(self.sampler.epoch, 0)
 
@@ -267,3 +267,63 @@ class Loader:
                 f"{len(self.devices)}, num_workers={self.num_workers}, drop_last="
                 f"{self.drop_last}, epoch={self._epoch}, step={self._step}, len={len(self)}, "
                 f"sampler={self.sampler!r})")
+
+
+def _placement(layout: Any, devices: Sequence[jax.Device] | None) -> Callable[[dict], dict]:
+    """How a host batch goes on the devices: global arrays on `jdp.mesh()`, or the pmap form."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"Loader: layout={layout!r}; expected one of {LAYOUTS} ('global': "
+                         "[global_batch, ...] arrays, 'pmap': [local_devices, per_device, ...])")
+    if layout == "pmap":
+        return functools.partial(pmap.place_rows, devices=devices)
+    if devices is not None:
+        raise ValueError("Loader: devices= was given with layout='global', whose batches are "
+                         "split over jdp.mesh(); drop devices=, or pass layout='pmap' as well")
+    return _global_batch
+
+
+def _global_batch(host: dict) -> dict:
+    """This process's rows as its part of global arrays split along `jdp.AXIS` (no host copy)."""
+    sharding = _mesh.batch_sharded()
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host)
+
+
+def _default_sampler(sampler: DistributedSampler | None, num_examples: int,
+                     shuffle: bool | None, seed: int | None) -> DistributedSampler:
+    """The sampler given (checked against the source), or one over all processes."""
+    if sampler is None:
+        return DistributedSampler(num_examples, shuffle=bool(shuffle), seed=seed or 0)
+    if not isinstance(sampler, DistributedSampler):
+        raise TypeError(f"Loader: sampler is a {type(sampler).__name__}; expected a "
+                        "jdp.data.DistributedSampler (the Loader needs its padding positions)")
+    if shuffle is not None or seed is not None:
+        raise ValueError("Loader: shuffle/seed are for the default sampler; with sampler= given "
+                         "pass them to the DistributedSampler instead")
+    if sampler.num_examples != num_examples:
+        raise ValueError(f"Loader: the sampler covers num_examples={sampler.num_examples} but "
+                         f"the source has {num_examples} examples; build it as "
+                         f"DistributedSampler({num_examples}, ...)")
+    return sampler
+
+
+def _check_args(loader: Loader, num_examples: int) -> None:
+    """Devices, batch size, transform and timeout fit together."""
+    n = len(loader.devices)
+    if n == 0:
+        raise ValueError("Loader: devices=[] is empty; pass None (all local devices) or a list")
+    if loader.batch_size % n:
+        fix = max(n, loader.batch_size // n * n)
+        raise ValueError(f"Loader: batch_size={loader.batch_size} is not divisible by the {n} "
+                         f"local devices; batch_size is per process and split evenly over them: "
+                         f"use a multiple of {n} (e.g. {fix})")
+    if loader.transform is not None and not callable(loader.transform):
+        raise TypeError(f"Loader: transform={loader.transform!r} is not callable; pass "
+                        "transform(batch) -> batch (or transform(batch, rng)) or None")
+    if loader.timeout is not None and (isinstance(loader.timeout, bool) or not isinstance(
+            loader.timeout, (int, float)) or not loader.timeout > 0):
+        raise ValueError(f"Loader: timeout={loader.timeout!r}; expected seconds > 0 or None")
+    if loader.drop_last and len(loader) == 0:
+        raise ValueError(f"Loader: drop_last=True with batch_size={loader.batch_size} leaves no "
+                         f"batch of the {len(loader.sampler)} examples this process gets (of "
+                         f"{num_examples}); use a smaller batch_size or drop_last=False")

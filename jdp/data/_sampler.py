@@ -1,13 +1,18 @@
-"""`DistributedSampler`: the example indices of one epoch that one process reads (torch's).
+"""`DistributedSampler` (which examples each process reads) and the position inside an epoch.
 
-Kept apart from the Loader so that the epoch's order (and, in `jdp._position`, the position
-inside it) has one home.
+Rank r reads the positions r, r + W, r + 2W, ... of the epoch's (padded) order. When every
+rank has read its first k indices (the ranks step together), all of them together have read
+positions [0, k * W): a prefix of the order. So the position of a whole job is one number, the
+offset: how many examples of the epoch's order are consumed. A pass over an epoch that starts
+at offset `start` splits `order[start:]` over the ranks as a fresh epoch is split, so a
+position saved on W ranks continues on W' ranks (or with another batch size) with exactly the
+examples not yet consumed, each once.
 """
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -23,17 +28,14 @@ def _require_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> i
 
 
 class DistributedSampler:
-    """The indices of one epoch that this process (rank) reads: torch's DistributedSampler.
+    """The indices of one epoch that this process (rank) reads.
 
     Each of `num_replicas` ranks gets `len(sampler)` indices: the epoch's index list (a
     permutation seeded by `seed + epoch` when `shuffle`, else `0..n-1`) is padded by repeating
     it from its start up to a multiple of `num_replicas` (or, with `drop_last`, cut down to
-    one), and rank r takes `indices[r::num_replicas]`. The unshuffled lists equal torch's
-    exactly; the shuffled ones use `np.random.default_rng(seed + epoch).permutation(n)` instead of
-    torch's `randperm` (same on every process, but not torch's numbers).
-
-    Fewer examples than replicas is an error (torch's one case jdp refuses): some ranks
-    would get nothing but padding, or, with `drop_last`, every rank nothing at all.
+    one), and rank r takes `indices[r::num_replicas]`. Every process computes the same list,
+    so no communication is needed. Fewer examples than replicas is an error: some ranks would
+    get nothing but padding, or, with `drop_last`, every rank nothing at all.
 
     Args:
         num_examples: number of examples in the source (`len(source)`), at least 1.
@@ -69,11 +71,8 @@ class DistributedSampler:
             raise ValueError(f"{owner}: num_examples={self.num_examples} < num_replicas="
                              f"{self.num_replicas}: some ranks would get no example at all; "
                              "use fewer processes or more data")
-        # torch: ceil((n - W) / W) with drop_last and a remainder, which is floor(n / W).
-        per_rank = (self.num_examples // self.num_replicas if self.drop_last
-                    else -(-self.num_examples // self.num_replicas))
-        self.num_samples = per_rank
-        self.total_size = per_rank * self.num_replicas
+        self.num_samples = self.pass_length(0)
+        self.total_size = self.num_samples * self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch`'s permutation (call it before each epoch when shuffling)."""
@@ -82,29 +81,40 @@ class DistributedSampler:
 
     def indices(self) -> np.ndarray:
         """This rank's indices for the current epoch, an int64 array of length `len(self)`."""
-        # np.resize repeats the order from its start: torch's padding, several times if needed.
-        order = np.resize(self.order(), self.total_size)
-        return order[self.rank:self.total_size:self.num_replicas]
+        return self.pass_rows(0)[0]
+
+    def is_padding(self) -> np.ndarray:
+        """Bool array aligned with `indices()`: True where the index repeats for padding.
+
+        Over all ranks, the positions where it is False hold every example exactly once.
+        """
+        return ~self.pass_rows(0)[1]
 
     def order(self) -> np.ndarray:
-        """The current epoch's example order before padding and striding (same on every rank).
-
-        Rank r's indices are this list, padded, taken every `num_replicas` from position r;
-        so after each rank has read its first k indices, all ranks together have read the first
-        `k * num_replicas` positions: a prefix of this list (what an elastic resume needs).
-        """
+        """The current epoch's example order before padding and striding (same on every rank)."""
         if self.shuffle:
             order = np.random.default_rng(self.seed + self.epoch).permutation(self.num_examples)
         else:
             order = np.arange(self.num_examples)
         return order.astype(np.int64)
 
-    def is_padding(self) -> np.ndarray:
-        """Bool array aligned with `indices()`: True where the index is torch's padding.
+    def pass_rows(self, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's indices of `order()[start:]`, and the mask of the real (unpadded) ones.
 
-        Over all ranks, the positions where it is False hold every example exactly once.
+        The rest of the order is padded by repeating it from its start up to a multiple of the
+        ranks (or cut to one with `drop_last`), and this rank takes every W-th from `rank`.
         """
-        return np.arange(self.rank, self.total_size, self.num_replicas) >= self.num_examples
+        rest = self.order()[start:]
+        world, left = self.num_replicas, len(rest)
+        total = self.pass_length(start) * world
+        padded = np.resize(rest, total) if left else rest[:0]
+        slots = np.arange(self.rank, total, world)
+        return padded[slots], slots < left
+
+    def pass_length(self, start: int) -> int:
+        """How many indices (padding included) each rank reads in a pass starting at `start`."""
+        left, world = self.num_examples - start, self.num_replicas
+        return left // world if self.drop_last else -(-left // world)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
@@ -116,3 +126,51 @@ class DistributedSampler:
         return (f"DistributedSampler(num_examples={self.num_examples}, num_replicas="
                 f"{self.num_replicas}, rank={self.rank}, shuffle={self.shuffle}, seed="
                 f"{self.seed}, drop_last={self.drop_last}, epoch={self.epoch})")
+
+
+# Settings that fix the epoch's order; a position means nothing under others.
+ORDER_CONFIG = ("num_examples", "shuffle", "seed", "sampler_drop_last")
+# Settings that fix which batch a step is; under others the offset is restored instead.
+SPLIT_CONFIG = ("num_replicas", "batch_size", "drop_last")
+
+
+class Position(NamedTuple):
+    epoch: int
+    start: int  # offset at which the current pass over the epoch began
+    step: int   # batches of the pass handed out
+
+
+def offset(sampler: DistributedSampler, position: Position, batch_size: int) -> int:
+    """Examples of the epoch's order consumed by all ranks together at `position`."""
+    read = min(position.step * batch_size, sampler.pass_length(position.start))
+    return min(position.start + read * sampler.num_replicas, sampler.num_examples)
+
+
+def restored(saved: Mapping, mine: Mapping, num_batches: Callable[[int], int]) -> Position:
+    """The position to continue from, given a saved `Loader.state_dict()` and this Loader's.
+
+    With the same split (ranks, batch size) the saved (start, step) is taken as is: the same
+    batches follow, bitwise. Under another split the pass restarts at the saved offset.
+    `num_batches(start)` is the number of batches of a pass starting at `start`.
+    """
+    where, fix = "Loader.load_state_dict", "pass a dict from Loader.state_dict()"
+    differ = {k: (saved[k], mine[k]) for k in ORDER_CONFIG if k in saved and saved[k] != mine[k]}
+    elastic = any(k in saved and saved[k] != mine[k] for k in SPLIT_CONFIG)
+    if differ or (elastic and "offset" not in saved):
+        differ.update({k: (saved[k], mine[k]) for k in SPLIT_CONFIG
+                       if k in saved and saved[k] != mine[k]})
+        raise ValueError(f"{where}: saved vs this loader's settings differ {differ}; build the "
+                         "Loader and sampler as they were when saved")
+    epoch = _require_int(where, "epoch", saved.get("epoch"), 0, fix)
+    if elastic:
+        at = _require_int(where, "offset", saved.get("offset"), 0, fix)
+        if at > mine["num_examples"]:
+            raise ValueError(f"{where}: offset={at} is past the {mine['num_examples']} "
+                             f"examples of an epoch; {fix} of an equal dataset")
+        return Position(epoch, at, 0)
+    start = _require_int(where, "start", saved.get("start", 0), 0, fix)
+    step = _require_int(where, "step", saved.get("step"), 0, fix)
+    if start > mine["num_examples"] or step > num_batches(start):
+        raise ValueError(f"{where}: step={step} (from offset {start}) is past the "
+                         f"{num_batches(start)} batches of the epoch; {fix} by an equal Loader")
+    return Position(epoch, start, step)

@@ -1,19 +1,25 @@
-"""Reading a batch of examples from a data source as a dict of numpy arrays (Loader internals).
+"""Host batches: reading a batch of examples from a source, transforming it, checking it.
 
-Two kinds of source, each read a whole batch at a time:
+Two kinds of source, each read a whole batch at a time: an `ArraySource` (or a plain dict of
+arrays, one row per example) by numpy fancy indexing, the fast path; anything with `__len__`
+and `__getitem__` returning a dict of fields (`tfds.data_source(...)`, grain sources) by
+`source.__getitems__(indices)` where it exists, else `source[i]` per example, then one
+`np.stack` per field.
 
-* `ArraySource`, or a plain dict of arrays (one row per example): numpy fancy indexing, the
-  fast path;
-* anything with `__len__` and `__getitem__` returning a dict of fields (TFDS
-  `tfds.data_source(...)`, grain-style sources): `source.__getitems__(indices)` where the source
-  has it (one call per batch), else `source[i]` per example; then one `np.stack` per field.
+This is the part of the Loader that runs in worker processes, so it takes only picklable
+values: a `Recipe` (how to read and transform, fixed for the Loader's life) and an `EpochPlan`
+(which rows batch b holds in one pass over an epoch). A transform with a parameter named `rng`
+gets one `numpy.random.Generator` per row seeded by (seed, epoch, example index): an example's
+augmentation replays whatever the batch it lands in, the worker or process count or the
+resume point, and differs in the next epoch.
 """
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 Reader = Callable[[np.ndarray], dict]
@@ -45,9 +51,9 @@ def make_reader(source: Any) -> tuple[int, Reader]:
 class ArraySource:
     """Examples held as a dict of arrays, one row per example: the Loader's fast path.
 
-    Like a TFDS data source, `len(source)` counts examples and `source[i]` is example i as a
-    dict; the Loader reads whole batches with numpy fancy indexing instead. A plain dict of
-    arrays passed to the Loader is wrapped in one.
+    `len(source)` counts examples and `source[i]` is example i as a dict, as for any
+    random-access source; the Loader reads whole batches with numpy fancy indexing instead. A
+    plain dict of arrays passed to the Loader is wrapped in one.
 
     Args:
         arrays: field name -> array (numpy or anything `np.asarray` takes), all of the same
@@ -191,3 +197,80 @@ def _check_no_mask(fields: Mapping, where: str) -> None:
     if MASK in fields:
         raise ValueError(f"Loader: {where} has a field named {MASK!r}, which the Loader adds "
                          "itself (True for real examples); rename that field")
+
+
+class Recipe(NamedTuple):
+    """How to turn example indices into a host batch (fixed for a Loader's life)."""
+    read: Reader
+    transform: Callable[..., dict] | None
+    augment: bool  # transform takes `rng=`
+
+
+class EpochPlan(NamedTuple):
+    """Which examples batch b of this pass holds: rows [b * size, (b + 1) * size)."""
+    indices: np.ndarray
+    real: np.ndarray
+    batch_size: int
+    seed: int
+    epoch: int
+
+
+def wants_rng(transform: Callable | None) -> bool:
+    """Whether `transform` takes the per-example generators (a parameter named `rng`)."""
+    if transform is None:
+        return False
+    try:
+        return "rng" in inspect.signature(transform).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+
+
+def example_rngs(seed: int, epoch: int, indices: np.ndarray) -> list[np.random.Generator]:
+    """One generator per row, seeded by (seed, epoch, example index): the replayable draw."""
+    return [np.random.default_rng([seed, epoch, int(i)]) for i in indices]
+
+
+def rows(plan: EpochPlan, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Example indices and real-row mask of batch b, the last partial batch filled by repeats."""
+    size = plan.batch_size
+    idx = plan.indices[b * size:(b + 1) * size]
+    real = plan.real[b * size:(b + 1) * size]
+    if len(idx) < size:  # last partial batch: fill with repeats of its rows, masked out
+        real = np.concatenate([real, np.zeros(size - len(idx), bool)])
+        idx = np.resize(idx, size)
+    return idx, real
+
+
+def host_batch(recipe: Recipe, plan: EpochPlan, b: int) -> dict:
+    """Batch b as host numpy arrays `[batch_size, ...]`, `"mask"` included."""
+    idx, real = rows(plan, b)
+    fields = recipe.read(idx)
+    if recipe.transform is not None:
+        rng = {"rng": example_rngs(plan.seed, plan.epoch, idx)} if recipe.augment else {}
+        fields = check_transformed(recipe.transform(fields, **rng), plan.batch_size)
+    check_dtypes(fields)
+    return {**fields, MASK: real}
+
+
+def check_transformed(fields: Any, size: int) -> dict:
+    """The transform's output is a dict of arrays with one row per example and no "mask"."""
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"Loader: transform returned a {type(fields).__name__}; expected the "
+                        "batch dict (transform(batch) -> batch)")
+    _check_no_mask(fields, "transform's output")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(dict(fields))[0]:
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != size:
+            raise ValueError(f"Loader: transform returned {jax.tree_util.keystr(path)} with "
+                             f"shape {np.shape(leaf)}; expected a leading axis of batch_size="
+                             f"{size} (one row per example, padding rows included)")
+    return dict(fields)
+
+
+def check_dtypes(fields: Mapping) -> None:
+    """Every leaf can go on a device: no strings, bytes or Python objects."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(dict(fields))[0]:
+        dtype = np.asarray(leaf).dtype
+        if dtype.kind in "USOV":
+            raise TypeError(f"Loader: field {jax.tree_util.keystr(path)} has dtype {dtype} "
+                            "(strings or objects), which cannot go on a device; drop it, or "
+                            "turn it into numbers in transform=")

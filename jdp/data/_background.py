@@ -1,33 +1,140 @@
-"""Worker processes that build host batches for the Loader (`Loader(..., num_workers=k)`).
+"""Building batches off the training thread: the prefetch thread and the worker processes.
 
-Worker i builds batches b with b % k == i, in the order asked, and answers on its own pipe, so
-the consumer reads batch b from worker b % k and the batches come out in order with no
-reordering buffer: the output is the one `num_workers=0` gives. Workers are started once per
-Loader (forked by a 'forkserver', never from the training process: JAX is not fork-safe), get
-the `Recipe` (source and transform) once, and per pass over an epoch its `EpochPlan`; a new
-pass first collects the results an abandoned one (a `break`) still owes, so pipes never hold
-stale batches.
+Prefetch: a daemon thread computes `fn(i)` for a range of i, a bounded queue ahead, so that
+reading, transforming and the host-to-device copy overlap the training step. The thread holds
+no reference to the Loader or to the consuming iterator: when the iterator is closed or
+garbage-collected the thread is told to stop, and it stops within one queue poll. Every queue
+wait has a timeout, so neither side can hang on the other.
 
-Every exit path ends the workers: `close()` (the Loader's `close()`, or the Loader being
-garbage-collected, or interpreter exit) asks them to stop, then terminates and kills; a worker
-whose parent died sees its pipe close and exits. Results travel through pipes, so no shared
-memory can leak. A worker that raises sends the exception back; one that dies is reported
-with the batch and the example indices it was building.
+Workers (`Loader(..., num_workers=k)`): worker i builds the host batches b with b % k == i, in
+the order asked, and answers on its own pipe, so the batches come out in order with no
+reordering buffer: those of `num_workers=0`. Workers are forked by a 'forkserver', never from
+the training process (JAX is not fork-safe), get the `Recipe` once and an `EpochPlan` per pass;
+a new pass first collects what an abandoned one (a `break`) still owes, so pipes never hold
+stale batches. `close()` (the Loader's, its garbage collection, interpreter exit) asks them to
+stop, then terminates and kills; a worker whose parent died sees its pipe close and exits.
+Results travel through pipes, so no shared memory can leak. A worker that raises sends the
+exception back; one that dies is reported with the batch and example indices it was building.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from jdp.data import _batches
+from jdp.data import _sources
 
 _POLL_S = 0.05
+_JOIN_S = 1.0  # a prefetch thread still busy after this exits when its current batch is built
 _STOP_S = 2.0  # a worker that does not stop after this is terminated, then killed
+_END = object()
+
+
+class _Failure:
+    """An exception raised by `fn` in the thread, carried to the consumer."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def prefetched(fn: Callable[[int], Any], items: range, depth: int,
+               timeout: float | None) -> Iterator:
+    """`fn(i) for i in items`, computed up to `depth` ahead in a thread (inline when depth is 0).
+
+    The result has `close()`; exceptions from `fn` are raised in the consumer; a `timeout`
+    (seconds without a result) raises TimeoutError instead of waiting forever.
+    """
+    if depth == 0:
+        return (fn(i) for i in items)
+    return _Prefetcher(fn, items, depth, timeout)
+
+
+class _Prefetcher:
+    """Iterator over `fn(i)` for i in `items`, produced by a daemon thread."""
+
+    def __init__(self, fn: Callable[[int], Any], items: range, depth: int,
+                 timeout: float | None):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._timeout = timeout
+        self._thread = threading.Thread(target=_produce, name="jdp-loader-prefetch", daemon=True,
+                                        args=(fn, items, self._queue, self._stop))
+        # Stops the thread on close() or when this iterator is garbage-collected.
+        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._thread)
+        self._thread.start()
+
+    def __iter__(self) -> _Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._finalizer.alive:
+            raise StopIteration
+        item = self._get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (idempotent)."""
+        self._finalizer()
+
+    def _get(self) -> Any:
+        start = time.monotonic()
+        while True:
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+            if not self._thread.is_alive() and self._queue.empty():
+                self.close()
+                raise RuntimeError("Loader: the prefetch thread ended without a batch or an "
+                                   "error (interpreter shutting down?)")
+            if self._timeout is not None and time.monotonic() - start > self._timeout:
+                self.close()
+                raise TimeoutError(f"Loader: no batch arrived within timeout={self._timeout} s; "
+                                   "is reading the source stuck? Pass a larger timeout= to the "
+                                   "Loader if reading one batch legitimately takes longer")
+
+
+def _produce(fn: Callable[[int], Any], items: range, out: queue.Queue,
+             stop: threading.Event) -> None:
+    try:
+        for i in items:
+            if stop.is_set() or not _put(out, fn(i), stop):
+                return
+    except Exception as err:  # noqa: BLE001 -- every error goes to the consumer
+        _put(out, _Failure(err), stop)
+        return
+    _put(out, _END, stop)
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put `item`, polling so that a stop request is noticed; False when stopped."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _shutdown(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join(timeout=_JOIN_S)
+
 
 
 class Cancelled(Exception):
@@ -41,7 +148,7 @@ class _Discard:
         return memoryview(data).nbytes
 
 
-def check_picklable(recipe: _batches.Recipe, num_workers: int) -> None:
+def check_picklable(recipe: _sources.Recipe, num_workers: int) -> None:
     """A clear TypeError now, at construction, when the workers could not receive `recipe`."""
     try:
         pickle.dump(recipe, _Discard(), protocol=pickle.HIGHEST_PROTOCOL)
@@ -64,7 +171,7 @@ def _picklable(value: Any) -> bool:
 class Pool:
     """k worker processes building host batches; one pass (epoch iteration) at a time."""
 
-    def __init__(self, recipe: _batches.Recipe, num_workers: int):
+    def __init__(self, recipe: _sources.Recipe, num_workers: int):
         recipe = pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
         ctx = _context()
         self._conns, self._procs = [], []
@@ -81,7 +188,7 @@ class Pool:
         self._owed = [0] * num_workers  # batches asked of worker i and not yet received
         self.broken = False  # a worker died: the Loader starts a fresh pool
 
-    def start_pass(self, plan: _batches.EpochPlan, items: range, ahead: int):
+    def start_pass(self, plan: _sources.EpochPlan, items: range, ahead: int):
         """A function `get(b)` returning host batch b, called for b in `items` in order.
 
         The results still owed by an abandoned pass are received and dropped first, so no
@@ -122,7 +229,7 @@ class Pool:
             self.broken = True
             raise _died(i, self._procs[i], None, None) from None
 
-    def _next_result(self, i: int, b: int | None, plan: _batches.EpochPlan | None,
+    def _next_result(self, i: int, b: int | None, plan: _sources.EpochPlan | None,
                      cancel: threading.Event) -> tuple:
         """The next reply of worker i (waiting for batch b of `plan`, for the error message)."""
         conn, proc = self._conns[i], self._procs[i]
@@ -195,11 +302,11 @@ def _recv(conn) -> Any:
     return pickle.loads(memoryview(first)[4:], buffers=frames)
 
 
-def _died(i: int, proc, b: int | None, plan: _batches.EpochPlan | None) -> RuntimeError:
+def _died(i: int, proc, b: int | None, plan: _sources.EpochPlan | None) -> RuntimeError:
     proc.join(_POLL_S)
     what = "between batches"
     if plan is not None:
-        idx = _batches.rows(plan, b)[0]
+        idx = _sources.rows(plan, b)[0]
         what = (f"while building batch {b} (example indices {idx[:8].tolist()}"
                 f"{'...' if len(idx) > 8 else ''})")
     return RuntimeError(f"Loader: worker {i} (pid {proc.pid}) died with exit code "
@@ -232,7 +339,7 @@ def _work(conn, recipe_bytes: bytes, parent: int) -> None:
             continue
         b = message[1]
         try:
-            reply = ("ok", b, _batches.host_batch(recipe, plan, b))
+            reply = ("ok", b, _sources.host_batch(recipe, plan, b))
         except Exception as err:  # noqa: BLE001 -- every error goes to the consumer
             reply = ("error", b, _portable(err))
         try:
