@@ -1,5 +1,6 @@
-"""Loader's default (global) batches on 2 processes x 2 devices (launcher): one global array per leaf,
-[batch_size * 2, ...], each process's rows (its sampler's examples) on its own devices."""
+"""The Loader's default (global) batches on 2 processes x 2 devices (launcher): one global
+array per leaf, [batch_size * 2, ...], each process's rows (its sampler's examples) on its own
+devices."""
 import json
 
 from conftest import job_env, start_launcher, write_script

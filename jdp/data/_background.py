@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from jdp.data import _sources
 
@@ -37,11 +37,9 @@ _STOP_S = 2.0  # a worker that does not stop after this is terminated, then kill
 _END = object()
 
 
-class _Failure:
+class _Failure(NamedTuple):
     """An exception raised by `fn` in the thread, carried to the consumer."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
+    error: BaseException
 
 
 def prefetched(fn: Callable[[int], Any], items: range, depth: int,
@@ -134,7 +132,6 @@ def _shutdown(stop: threading.Event, thread: threading.Thread) -> None:
     stop.set()
     if thread is not threading.current_thread():
         thread.join(timeout=_JOIN_S)
-
 
 
 class Cancelled(Exception):
