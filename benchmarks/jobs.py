@@ -1,7 +1,7 @@
 """The benchmark jobs: one command line and environment per configuration.
 
 "default" jobs run with glibc's malloc defaults (`JDP_MALLOC_TUNING=0`), "tuned" ones with
-jdp's allocator settings (`jdp._malloc.ENV`, read by glibc at start, as the launcher sets them).
+jdp's allocator settings (`jdp.launch._malloc.ENV`, read by glibc at start, as the launcher sets them).
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ class Job(NamedTuple):
 
 def base_env(malloc: str = "default", **extra: str) -> dict:
     """This environment, CPU only, without launcher variables or device flags, the repository
-    importable, and the allocator as asked."""
+    and the examples' modules importable, and the allocator as asked."""
     env = {k: v for k, v in os.environ.items()
            if k not in (*RANK_VARS, "XLA_FLAGS", "OMP_NUM_THREADS", *MALLOC_ENV)}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "examples"),
+                                           env.get("PYTHONPATH", "")]))
     env.update({"JDP_MALLOC_TUNING": "0"} if malloc == "default" else MALLOC_ENV)
     return {**env, **extra}
 
@@ -59,9 +60,9 @@ def plan(root: str, malloc_scaling: bool, torch: bool) -> list[Job]:
     out = []
     for tag, malloc in (("", "default"), ("+malloc", "tuned")):
         for k in (1, 2, 4, 8) if malloc_scaling or not tag else (2,):
-            variants = ("jdp", "hand", "shardmap", "maxpool", "global") if k == 2 else ("jdp",)
+            variants = ("jdp", "hand", "pmap", "maxpool") if k == 2 else ("jdp",)
             out.append(job(f"{k}dev{tag}", root, "jax", malloc, variants, devices=k))
-        out.append(job(f"2proc{tag}", root, "launch", malloc, ("jdp", "global")))
+        out.append(job(f"2proc{tag}", root, "launch", malloc, ("jdp", "pmap")))
         out += [job(f"torch{tag}", root, "torch", malloc)] if torch else []
     return out
 

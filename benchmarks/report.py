@@ -105,8 +105,8 @@ def summary(r: dict) -> str:
              ratio(r, "2dev+malloc:jdp", "torch:ddp"), 1, 2),
             ("the same, CNN pooled with flax's `nn.max_pool`",
              ratio(r, "2dev+malloc:maxpool", "torch:ddp"), 1, 2),
-            ("global layout step / pmap layout step (1 process x 2 devices, alternated)",
-             median(r, "2dev+malloc:global/jdp"), 1, 3),
+            ("jdp.pmap (classic form) step / jdp.train_step (1 process x 2 devices, "
+             "alternated)", median(r, "2dev+malloc:pmap/jdp"), None, 3),
             ("2 processes x 1 device / 1 process x 2 devices (glibc malloc)",
              ratio(r, "2proc:jdp", "2dev:jdp"), None, 2)]
     out = [[label, fmt(x, d), "(report)" if t is None else f"≥ {t}",
@@ -147,9 +147,9 @@ TORCH_KEYS = [f"{job}{t}:{v}" for job, v in (("torch", "ddp"), ("2dev", "jdp"), 
                                               ("2proc", "jdp")) for t in ("", "+malloc")]
 TABLES = [  # (title, results -> markdown); run.py adds the tables that measure their own
     ("Summary", summary),
-    ("1. jdp's step (pmap and shard_map backends) against a hand-written pmap step, "
+    ("1. jdp's step (global arrays, and the jdp.pmap form) against a hand-written pmap step, "
      "1 process x 2 devices", lambda r: comparison(r, [f"2dev{t}:{v}" for t in ("", "+malloc")
-                                                      for v in ("jdp", "hand", "shardmap")],
+                                                      for v in ("jdp", "hand", "pmap")],
                                                    "2dev:hand")),
     ("1b. Alternated in-process: ratios finer than the rounds", lambda r: table(
         ["job: a / b (alternated in-process)", "median", "min–max (per mille)"],
@@ -174,8 +174,8 @@ TABLES = [  # (title, results -> markdown); run.py adds the tables that measure 
           f"{h['bytes'] - h['expected_bytes']:,}", fmt(h["temp_bytes"] / 2**20, 1)]
          for k, h in r["hlo"].items()])),
     ("7. Where the time goes: op time by kind (jax.profiler trace, 5 steps)", _op_time),
-    ("8. Global layout against the pmap layout", lambda r: pairs(
-        r, [(f"{job}: global / pmap", f"{job}:global", f"{job}:jdp")
+    ("8. The global core against the jdp.pmap form", lambda r: pairs(
+        r, [(f"{job}: jdp.train_step / jdp.pmap.train_step", f"{job}:jdp", f"{job}:pmap")
             for job in ("2dev", "2dev+malloc", "2proc", "2proc+malloc")])),
 ]
 

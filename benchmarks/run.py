@@ -16,12 +16,12 @@ import sys
 import tempfile
 import time
 
-from benchmarks import harness, jobs, report, zero
+from benchmarks import harness, jobs, overhead, report, zero
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 # Ratios finer than round-to-round noise: "job:a/b" = a / b, alternated in short bursts.
-PAIRED = ["2dev:jdp/hand", "2dev+malloc:jdp/hand", "2dev+malloc:shardmap/jdp",
-          "2dev+malloc:maxpool/jdp", "2dev+malloc:global/jdp", "2proc:global/jdp"]
+PAIRED = ["2dev:jdp/hand", "2dev+malloc:jdp/hand", "2dev+malloc:maxpool/jdp",
+          "2dev+malloc:pmap/jdp", "2proc:pmap/jdp"]
 
 
 # rounds; seconds per timed measurement; batches per loader measurement; 1/4/8 devices also
@@ -38,11 +38,22 @@ def selected(name: str, make):
                       else f"Not measured: `--only` did not name `{name}`.\n")
 
 
+def overhead_table(r: dict) -> str:
+    """The host-overhead table, shorter under `--quick`."""
+    quick = r["settings"]["rounds"] < FULL["rounds"]
+    return overhead.table(reps=7 if quick else 15, steps=100 if quick else 300)
+
+
 TABLES = [*report.TABLES,
           ("9. Optimizer-state sharding (ZeRO-1): memory, traffic, time",
            selected("zero", zero.table)),
           ("10. Input pipeline", selected(
-              "input", lambda r: importlib.import_module("benchmarks.bench_input").table()))]
+              "input", lambda r: importlib.import_module("benchmarks.bench_input").table())),
+          ("11. Host time per step: jdp.train_step against a hand-written jax.jit step "
+           "(one device, alternated in one process)", selected("overhead", overhead_table)),
+          ("12. How long save() blocks the training loop", selected(
+              "checkpoint", lambda r: importlib.import_module(
+                  "benchmarks.bench_checkpoint").table()))]
 
 
 def measure(workers: dict, settings: dict) -> dict:
@@ -81,8 +92,8 @@ def measure(workers: dict, settings: dict) -> dict:
     profiled = ("2dev:jdp", "2dev+malloc:jdp", "2dev+malloc:maxpool")
     return {"samples": samples, "details": details,
             "profile": ask("profile", profiled if settings["profile"] else (), steps=5),
-            "hlo": ask("hlo", ("2dev:jdp", "2dev:shardmap", "2dev:maxpool", "2dev:global",
-                               "2proc:jdp", "2proc:global"))}
+            "hlo": ask("hlo", ("2dev:jdp", "2dev:pmap", "2dev:maxpool", "2proc:jdp",
+                               "2proc:pmap"))}
 
 
 def run(settings: dict, only: list[str]) -> dict:
@@ -128,8 +139,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
-    p.add_argument("--only", default="", help="comma-separated job names, and `zero` or "
-                   "`input` for those tables (default: all)")
+    p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
+                   "`input`, `overhead` or `checkpoint` for those tables (default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])
     r["command"] = " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])])

@@ -3,9 +3,9 @@
 One process with k simulated devices, or one rank under `jdp.launch`: it compiles its variants
 once, then answers requests (`benchmarks.harness`). Every variant trains `examples/mnist.py`'s
 CNN with its loss, 64 examples per device, SGD momentum 0.9 at lr 0.05, donated state:
-`jdp` (pmap layout), `hand` (a hand-written `jax.pmap` + `lax.pmean` step), `shardmap`
-(`backend="shard_map"`), `maxpool` (the CNN pooled by flax's `nn.max_pool`, whose gradient
-is XLA:CPU's slow select-and-scatter) and `global` (`jdp.broadcast` + a global batch).
+`jdp` (`jdp.train_step` on global arrays), `pmap` (the classic form, `jdp.pmap.train_step`),
+`hand` (a hand-written `jax.pmap` + `lax.pmean` step) and `maxpool` (`jdp` with the CNN pooled
+by flax's `nn.max_pool`, whose gradient is XLA:CPU's slow select-and-scatter).
 """
 from __future__ import annotations
 
@@ -69,12 +69,13 @@ def build(name: str, per_device: int) -> Variant:
     rng, size = np.random.default_rng(jax.process_index()), per_device * jax.local_device_count()
     data = {"image": rng.integers(0, 256, (size, 28, 28, 1), dtype=np.uint8),
             "label": rng.integers(0, 10, size, dtype=np.int32)}
-    layout = "global" if name == "global" else "pmap"
-    batch = next(iter(jdp.data.Loader(data, size, layout=layout)))
-    step = (hand_step(ex.loss_fn) if name == "hand" else jdp.train_step(
-        ex.loss_fn, has_aux=True, backend="shard_map" if name == "shardmap" else "pmap"))
-    return Variant(step, jdp.broadcast(state) if layout == "global" else jdp.replicate(state),
-                   batch)
+    if name in ("jdp", "maxpool"):
+        return Variant(jdp.train_step(ex.loss_fn, has_aux=True), jdp.broadcast(state),
+                       next(iter(jdp.data.Loader(data, size))))
+    step = hand_step(ex.loss_fn) if name == "hand" else jdp.pmap.train_step(ex.loss_fn,
+                                                                            has_aux=True)
+    return Variant(step, jdp.pmap.replicate(state),
+                   next(iter(jdp.data.Loader(data, size, layout="pmap"))))
 
 
 class Bench:
@@ -127,7 +128,7 @@ class Bench:
         step's scratch memory per device (what glibc's mmap threshold applies to)."""
         name = request["variant"]
         compiled, state = self._compiled(name), self.variants[name].state
-        one = state if name == "global" else jdp.unreplicate(state)
+        one = jdp.pmap.unreplicate(state)  # global leaves come back as they are
         return {**hlo.collectives(compiled.as_text())["all-reduce"]._asdict(),
                 "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                 "expected_bytes": hlo.expected_bytes(one.params, one.model_state,

@@ -36,7 +36,7 @@ def _build(params: int, shard: bool, per_device: int = 8) -> dict:
     rng, size = np.random.default_rng(0), per_device * jax.local_device_count()
     weights = {f"w{i}": rng.standard_normal((d, d), np.float32) / d ** 0.5 for i in range(3)}
     data = {k: rng.standard_normal((size, d), np.float32) for k in ("x", "y")}
-    batch = next(iter(jdp.data.Loader(data, size, layout="global")))
+    batch = next(iter(jdp.data.Loader(data, size)))
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=weights,
                                                 tx=optax.adam(1e-4)), shard_optimizer=shard)
     step = jdp.train_step(_loss, shard_optimizer=shard)

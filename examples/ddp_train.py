@@ -38,7 +38,7 @@ def main(iterations: int = 500) -> None:
     state = jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((2, 1))},
                                   tx=optax.sgd(0.01))
     state = jdp.broadcast(state)                           # DDP(model): rank 0's w everywhere
-    batch = jdp.shard(local_batch(), layout="global")      # one global batch, 2 rows per device
+    batch = jdp.shard(local_batch())                       # one global batch, 2 rows per device
     step = jdp.train_step(loss_fn)
     for i in range(iterations):
         state, metrics = step(state, batch)

