@@ -1,4 +1,5 @@
-"""train_step with flax linen BatchNorm, flax NNX, dropout RNG, and a hand-written pmap step."""
+"""train_step with flax linen BatchNorm, flax NNX, dropout RNG, and a hand-written pmap step,
+in both forms (global and pmap) where both hold the model's state."""
 import functools
 
 import flax.linen as nn
@@ -8,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_step import N, assert_tree_close, data, mlp_params, mse
+from test_step import FORMS, N, assert_tree_close, data, mlp_params, mse
 
 import jdp
 
@@ -48,36 +49,46 @@ def global_batch_reference(batch, tx):
     return state0, ref_stats, ref_params, BNNet(axis_name=jdp.AXIS)
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
-def test_sync_batchnorm_statistics_equal_those_of_the_global_batch(backend):
-    batch, tx = data(N * 4), optax.sgd(0.1)
+@pytest.mark.parametrize("form", FORMS)
+def test_sync_batchnorm_statistics_equal_those_of_the_global_batch(form):
+    f, batch, tx = FORMS[form], data(N * 4), optax.sgd(0.1)
     state0, ref_stats, ref_params, model = global_batch_reference(batch, tx)
-    step = jdp.train_step(bn_loss(model), backend=backend)
-    state, _ = step(jdp.replicate(state0), jdp.shard(batch))
-    out = jdp.unreplicate(state)
+    state, _ = f.train_step(bn_loss(model))(f.place(state0), f.shard(batch))
+    out = f.one(state)
     assert_tree_close(out.model_state, ref_stats, rtol=1e-5, atol=1e-6)
     assert_tree_close(out.params, ref_params, rtol=1e-5, atol=1e-6)
 
 
 def per_device_stats(model, state0, batch):
     """Independent: each device's BatchNorm update from its own slice, by plain flax."""
-    slices = jdp.shard(batch)
-    per_device = [jax.tree.map(lambda v, d=d: v[d], slices) for d in range(N)]
+    per_device = [jax.tree.map(lambda v, d=d: v.reshape(N, -1, *v.shape[1:])[d], batch)
+                  for d in range(N)]
     return [bn_loss(model)(state0.params, b, state0.model_state)[1] for b in per_device]
 
 
-@pytest.mark.parametrize("sync", ["mean", None])
-def test_model_state_sync_mean_leaves_every_device_the_average(sync):
-    batch, model = data(N * 4), BNNet()
+def model_state_per_device(form, model_state):
+    """Each device's copy of the model state, as host values, in device order."""
+    if form == "pmap":
+        return [jax.tree.map(lambda v, d=d: np.asarray(v)[d], model_state) for d in range(N)]
+    devices = jdp.mesh().devices.flat
+    return [jax.tree.map(lambda v, d=d: np.asarray(
+        next(s.data for s in v.addressable_shards if s.device == d)), model_state)
+        for d in devices]
+
+
+@pytest.mark.parametrize("form, sync", [("global", "mean"), ("pmap", "mean"), ("pmap", None)])
+def test_model_state_sync_mean_leaves_every_device_the_average(form, sync):
+    """The global form holds one replicated model state, so only "mean" applies there."""
+    f, batch, model = FORMS[form], data(N * 4), BNNet()
     state0 = bn_state(model, batch["x"], optax.sgd(0.1))
-    state, _ = jdp.train_step(bn_loss(model), model_state_sync=sync)(
-        jdp.replicate(state0), jdp.shard(batch))
+    state, _ = f.train_step(bn_loss(model), model_state_sync=sync)(f.place(state0),
+                                                                   f.shard(batch))
     expected = per_device_stats(model, state0, batch)
-    got = jax.tree.map(np.asarray, state.model_state)
+    got = model_state_per_device(form, state.model_state)
     for d in range(N):
         want = (jax.tree.map(lambda *xs: np.mean(xs, 0), *expected) if sync == "mean"
                 else expected[d])
-        assert_tree_close(jax.tree.map(lambda v, d=d: v[d], got), want, rtol=1e-5, atol=1e-6)
+        assert_tree_close(got[d], want, rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_masks_differ_across_devices_and_reproduce_on_rerun():
@@ -85,19 +96,21 @@ def test_dropout_masks_differ_across_devices_and_reproduce_on_rerun():
         mask = jax.random.bernoulli(rng, 0.5, (16,))
         return mse(params, batch), {"mask": mask.astype(jnp.float32)}
 
-    def run(seed, backend="pmap"):
+    def run(seed, form="pmap", sync=None):
+        f = FORMS[form]
         state = jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=optax.sgd(0.0),
                                       model_state={"mask": jnp.zeros(16)}, seed=seed)
-        step = jdp.train_step(loss_fn, model_state_sync=None, backend=backend)
-        state = jdp.replicate(state)
+        step = f.train_step(loss_fn, model_state_sync=sync)
+        state = f.place(state)
         masks = []
         for _ in range(2):
-            state, _ = step(state, jdp.shard(data(N * 2)))
+            state, _ = step(state, f.shard(data(N * 2)))
             masks.append(np.asarray(state.model_state["mask"]))
         return masks
 
     first, again, other = run(0), run(0), run(1)
-    np.testing.assert_array_equal(run(0, "shard_map")[1], first[1])  # same keys either backend
+    # Same keys in either form: the global form's (replicated) mean of the devices' masks.
+    np.testing.assert_allclose(run(0, "global", "mean")[1], first[1].mean(0), rtol=1e-6)
     assert len({m.tobytes() for m in first[0]}) == N          # one mask per device
     assert not np.array_equal(first[0], first[1])             # a new mask each step
     np.testing.assert_array_equal(first[0], again[0])         # same seed: same masks
@@ -115,10 +128,11 @@ class NNXNet(nnx.Module):
         return self.out(nnx.relu(self.bn(self.dense(x))))
 
 
-def test_flax_nnx_model_through_split_and_merge_matches_single_device():
+@pytest.mark.parametrize("form", FORMS)
+def test_flax_nnx_model_through_split_and_merge_matches_single_device(form):
     # SGD, not Adam: the Dense bias before BatchNorm has a zero gradient up to rounding, which
     # Adam would blow up to full-size steps of either sign.
-    batch, tx = data(N * 4), optax.sgd(0.1, momentum=0.9)
+    f, batch, tx = FORMS[form], data(N * 4), optax.sgd(0.1, momentum=0.9)
     graphdef, params, rest = nnx.split(NNXNet(jdp.AXIS, nnx.Rngs(0)), nnx.Param, ...)
 
     def loss_fn(params, batch, rest):
@@ -127,21 +141,22 @@ def test_flax_nnx_model_through_split_and_merge_matches_single_device():
         return loss, nnx.split(model, nnx.Param, ...)[2]
 
     state = jdp.TrainState.create(apply_fn=None, params=params, tx=tx, model_state=rest)
-    state, _ = jdp.train_step(loss_fn)(jdp.replicate(state), jdp.shard(batch))
+    state, _ = f.train_step(loss_fn)(f.place(state), f.shard(batch))
     # Reference: the same model without axis name, one device, the global batch.
     ref = NNXNet(None, nnx.Rngs(0))
     optimizer = nnx.Optimizer(ref, tx, wrt=nnx.Param)
     grads = nnx.grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(ref)
     optimizer.update(ref, grads)
-    out = jdp.unreplicate(state)
+    out = f.one(state)
     assert_tree_close(out.params, nnx.state(ref, nnx.Param), rtol=1e-5, atol=1e-6)
     assert_tree_close(out.model_state, nnx.state(ref, nnx.BatchStat), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mean", [True, False])
-def test_hand_written_pmap_with_reduce_gradients_equals_train_step(mean):
-    tx = optax.adam(1e-2)
-    batches = [jdp.shard(data(N * 4, seed=s)) for s in range(3)]
+def test_hand_written_pmap_with_reduce_gradients_equals_train_step(mean, form):
+    f, tx = FORMS[form], optax.adam(1e-2)
+    rows = [data(N * 4, seed=s) for s in range(3)]
 
     @functools.partial(jax.pmap, axis_name="devices")
     def hand_step(params, opt_state, batch):
@@ -149,11 +164,12 @@ def test_hand_written_pmap_with_reduce_gradients_equals_train_step(mean):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = jdp.replicate(mlp_params()), jdp.replicate(tx.init(mlp_params()))
-    state = jdp.replicate(jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=tx))
-    step = jdp.train_step(mse, grad_reduce="mean" if mean else "sum")
-    for b in batches:
-        params, opt_state = hand_step(params, opt_state, b)
-        state, _ = step(state, b)
-    assert_tree_close(jdp.unreplicate(state).params, jdp.unreplicate(params),
-                      rtol=1e-6, atol=1e-6)
+    params = jdp.pmap.replicate(mlp_params())
+    opt_state = jdp.pmap.replicate(tx.init(mlp_params()))
+    state = f.place(jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=tx))
+    step = f.train_step(mse, grad_reduce="mean" if mean else "sum")
+    for r in rows:
+        params, opt_state = hand_step(params, opt_state, jdp.pmap.shard(r))
+        state, _ = step(state, f.shard(r))
+    device_0 = jax.tree.map(lambda x: np.asarray(x)[0], params)
+    assert_tree_close(f.one(state).params, device_0, rtol=1e-6, atol=1e-6)
