@@ -1,22 +1,16 @@
 """The examples' data (examples/example_data.py): real MNIST offline (mnist5k), the offline
 digits, MNIST through TFDS (mocked, no network, no TensorFlow), and the one-line error for a
 dataset that is not prepared."""
-import importlib.util
-import os
 import tempfile
 import time
 
+import example_data  # examples/ is on pytest's pythonpath
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, assert_one_line
+from conftest import assert_one_line
 
 from jdp.data import DistributedSampler, Loader
-
-_SPEC = importlib.util.spec_from_file_location(
-    "example_data", os.path.join(REPO, "examples", "example_data.py"))
-example_data = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(example_data)
 
 
 @pytest.fixture(autouse=True)
