@@ -24,8 +24,10 @@ N = jax.local_device_count()
 
 
 def make_loader():
-    """The Loader a (re)started process builds: shuffled, 3 batches of 32 per epoch."""
-    return Loader(dataset(), 32, sampler=DistributedSampler(96, shuffle=True, seed=3))
+    """The Loader a (re)started process builds: shuffled, 3 batches of 32 per epoch, in the
+    pmap form (the state these tests train is stacked)."""
+    return Loader(dataset(), 32, sampler=DistributedSampler(96, shuffle=True, seed=3),
+                  layout="pmap")
 
 
 def dataset(n=96):
@@ -43,13 +45,15 @@ def loss_fn(params, batch, model_state, rng):
     return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0), updates["batch_stats"]
 
 
-def train(state, loader, num_epochs, stop=(None, True), seen=None):
+def train(state, loader, num_epochs, stop=(None, True), seen=None,
+          make_step=jdp.pmap.train_step):
     """The resumable loop of DESIGN.md, recording the examples of each batch in `seen`.
 
     `stop=(k, inside)` returns after k batches: from inside the batch loop (where a save every
     k steps happens), or else once the epoch's batch loop has ended (a save per epoch).
+    `make_step`: `jdp.pmap.train_step` for a stacked state, `jdp.train_step` for a global one.
     """
-    step, done, (stop_after, inside) = jdp.train_step(loss_fn), 0, stop
+    step, done, (stop_after, inside) = make_step(loss_fn), 0, stop
     for epoch in range(loader.epoch, num_epochs):
         loader.set_epoch(epoch)
         for batch in loader:
@@ -227,3 +231,11 @@ def test_two_processes_save_one_copy_and_restore_the_same_values(tmp_path):
     assert "timed out after 3.0 s" in results[0]["timeout_error"]
     step_dir = directory / "3" / "state"
     assert sorted(p.name for p in step_dir.glob("ocdbt.process_*")) == ["ocdbt.process_0"]
+
+
+def test_import_jdp_does_not_import_orbax():
+    # orbax takes about half a second to import: only a Checkpointer loads it.
+    code = ("import jdp, sys; loaded = [m for m in sys.modules if 'orbax' in m]; "
+            "assert not loaded, loaded")
+    proc = run_python(["-c", code], env=child_env(devices=1), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -112,13 +112,14 @@ def test_a_global_layout_run_resumes_bitwise_after_a_restart(tmp_path):
         return jdp.data.Loader(dataset(), 32, layout="global",
                                sampler=jdp.data.DistributedSampler(96, shuffle=True, seed=3))
 
-    straight = train(jdp.broadcast(make_state()), loader(), 2)
+    straight = train(jdp.broadcast(make_state()), loader(), 2, make_step=jdp.train_step)
     first = loader()
-    Checkpointer(tmp_path).save(2, train(jdp.broadcast(make_state()), first, 2, stop=(2, True)),
-                                loader=first)
+    Checkpointer(tmp_path).save(2, train(jdp.broadcast(make_state()), first, 2, stop=(2, True),
+                                         make_step=jdp.train_step), loader=first)
     second = loader()  # a restarted process: fresh state (other values), loader, checkpointer
     resumed = train(Checkpointer(tmp_path).restore(jdp.broadcast(make_state(seed=5)),
-                                                   loader=second), second, 2)
+                                                   loader=second), second, 2,
+                    make_step=jdp.train_step)
     want = host_leaves(straight)
     for name, got in host_leaves(resumed).items():
         assert got.tobytes() == want[name].tobytes(), name

@@ -160,7 +160,7 @@ def test_a_stacked_state_with_a_leaf_that_is_not_stacked(ckpt):
     mixed = {**state(), "x": np.ones(3, np.float32)}
     with pytest.raises(ValueError) as info:
         ckpt.save(6, mixed)
-    assert_one_line(info.value, ["leaf x has shape (3,)", "jdp.replicate"])
+    assert_one_line(info.value, ["leaf ['x'] has shape (3,)", "jdp.pmap.replicate"])
 
 
 def test_async_save_that_is_not_a_bool(tmp_path):

@@ -1,27 +1,18 @@
 """Save and restore a train state, with the data loader's position, through orbax.
 
-DDP's `torch.save` on rank 0 plus the sampler position, made atomic, verifiable and
-multi-process aware:
-
-* One logical copy is saved, whatever the layout: a global (`jdp.broadcast`) state goes to
-  orbax as it is (each shard written once, by the process holding it); a stacked
-  (`jdp.replicate`) state as device 0's copy. A restore places the values like the `state`
-  it is given, in either layout, on any device or process count (8 -> 2 works).
-* Every process calls `save`; they check that they agree on the step, then orbax writes.
-* Atomic: orbax writes `<step>.orbax-checkpoint-tmp-*/` and renames it to `<step>/` when
-  done; only finished `<step>/` directories are ever listed. Old checkpoints leave by a rename
-  too, so a reader never sees one half deleted.
-* One writer, any number of readers: only `save` (on process 0) deletes anything (the
-  leftovers of a killed save, old checkpoints past `max_to_keep`). A Checkpointer that only
-  restores or lists never changes the directory, so evaluators may watch a running job.
-* Verified: each checkpoint carries a CRC32 of every array (see `jdp._integrity`). A damaged
-  newest checkpoint is skipped with a warning naming the file or array; an explicitly
-  requested one raises `CorruptCheckpointError`.
-* Synchronous by default: when `save` returns, the checkpoint is on disk and the process may
-  exit or be killed. `async_save=True` writes in a background thread that every later call
-  and interpreter exit wait for; a kill meanwhile loses only the checkpoint being written.
+* One logical copy: each shard of a global state is written once, by the process holding it;
+  a stacked state is saved as one copy (`jdp.pmap.to_global`). A restore places the values
+  like the `state` it is given, in either form, on any device or process count.
+* Atomic: orbax writes `<step>.orbax-checkpoint-tmp-*/` and renames it to `<step>/` when done;
+  old steps leave by a rename too, so a reader never sees half of one. Only `save` (on process
+  0) deletes anything, so evaluators may restore from a directory a job is saving into.
+* Verified (see `_integrity`) without a host copy: a damaged newest checkpoint is skipped with
+  a warning naming the file or array; an explicitly requested one raises.
+* Synchronous by default; `async_save=True` writes in a background thread that every later
+  call and interpreter exit wait for; a kill meanwhile loses only the checkpoint being written.
 
 Only array leaves are saved; the rest (`apply_fn`, `tx`) comes from the state given to restore.
+orbax is imported by the first Checkpointer, not by `import jdp` (it takes about 0.5 s).
 """
 from __future__ import annotations
 
@@ -34,19 +25,22 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
 from jax.experimental import multihost_utils
 
-from jdp.checkpoint import _orbax as disk
-from jdp.checkpoint import _tree as tree
+from jdp import pmap
 from jdp.checkpoint import _integrity
-from jdp.launch import _progress
-from jdp.checkpoint._orbax import INTEGRITY, LOADER, STATE
+from jdp.checkpoint import _tree as tree
 from jdp.checkpoint._integrity import CorruptCheckpointError, Damaged
 from jdp.distributed import barrier
+from jdp.launch import _progress
 
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
+
+
+def _disk():
+    """jdp's orbax layer (`_orbax`), imported on first use."""
+    from jdp.checkpoint import _orbax
+    return _orbax
 
 
 class Checkpointer:
@@ -96,20 +90,19 @@ class Checkpointer:
             raise TypeError(f"async_save={async_save!r} must be True or False")
         text = os.fspath(directory)  # a local path, or a URL such as gs://bucket/run
         self.directory = text if "://" in text else os.path.abspath(os.path.expanduser(text))
-        self._root = epath.Path(self.directory)
+        disk = _disk()
+        self._root = disk.epath.Path(self.directory)
         if self._root.exists() and not self._root.is_dir():
             raise ValueError(f"Checkpointer: directory {self.directory!r} is a file, not a "
                              "directory; pass a directory path (it is created if missing)")
         self.timeout_s = float(timeout_s)
         self._key = f"jdp.checkpoint:{self.directory}"
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=disk.manager_options(max_to_keep, async_save),
-            handler_registry=disk.registry())
+        self._manager = disk.manager(self.directory, max_to_keep, async_save)
         self._async, self._closed = async_save, False
         if async_save:
             # Private: Python's only exit hook that runs before concurrent.futures stops taking
             # work (which orbax's writer needs); atexit runs after that, too late. No public API.
-            threading._register_atexit(self._finish_at_exit)  # private: no public API
+            threading._register_atexit(self._finish)  # private: no public API
 
     def save(self, step: int, state: Any, loader: Any = None) -> None:
         """Write `state`'s logical copy (and `loader`'s position) as checkpoint `step`.
@@ -121,8 +114,8 @@ class Checkpointer:
 
         Args:
             step: a non-negative integer, larger than every step already saved here.
-            state: the train state: global (`jdp.broadcast`) or stacked (`jdp.replicate`),
-                as given to or returned by a jdp step.
+            state: the train state: global (`jdp.broadcast`, ZeRO-sharded or not) or stacked
+                (`jdp.pmap.replicate`), as given to or returned by a jdp step.
             loader: a `jdp.data.Loader` (anything with a JSON-serialisable `state_dict()`),
                 whose position is stored with the state.
 
@@ -138,16 +131,13 @@ class Checkpointer:
             >>> with tempfile.TemporaryDirectory() as directory:
             ...     batch = next(iter(loader))
             ...     jdp.checkpoint.Checkpointer(directory).save(
-            ...         1, jdp.replicate({"w": np.ones(3)}), loader=loader)
+            ...         1, jdp.pmap.replicate({"w": np.ones(3)}), loader=loader)
         """
         _progress.record("checkpoint")
         self._wait()
         step = _as_step(step)
-        found, stacked = tree.leaves(state, "Checkpointer.save")
+        found = tree.leaves(pmap.to_global(state), "Checkpointer.save")
         position = _loader_position(loader)
-        values = {leaf.keys: tree.saved_value(leaf, stacked) for leaf in found}
-        record = _integrity.record(((leaf.name, tree.crop(tree.host_value(values[leaf.keys]),
-                                                          leaf.shape)) for leaf in found), position)
         self._agree("save", step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -156,11 +146,13 @@ class Checkpointer:
                 f"{self.directory}; steps must increase. Pass a larger step (e.g. the state's "
                 "step counter), or save into a new directory")
         self._prepare_to_write()
-        items = {STATE: ocp.args.PyTreeSave(tree.saved_tree(values)),
-                 INTEGRITY: ocp.args.JsonSave(record)}
-        if position is not None:
-            items[LOADER] = ocp.args.JsonSave(position)
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        # Dispatched to the devices, fetched by the (background) write: nothing waits here.
+        partial = _integrity.hashes(found, [leaf.leaf for leaf in found])
+        first = _integrity.record(found, position) if jax.process_index() == 0 else {}
+        names = [leaf.name for leaf in found]
+        self._manager.save(step, force=True, args=_disk().save_args(
+            found, lambda: {**first, "hashes": _integrity.process_sums(names, partial)},
+            position))
         if not self._async:
             self._empty_trash()
 
@@ -168,10 +160,11 @@ class Checkpointer:
         """Load checkpoint `step` (default: the newest intact one) into the structure of `state`.
 
         `state` gives the structure, dtypes and placement: each leaf comes back laid out like
-        the corresponding leaf of `state` (global or stacked, on this run's devices), whatever
-        the layout and device count at save time. Every array is checked against the CRC32
-        recorded at save. With no checkpoint in the directory, `state` comes back unchanged
-        and `loader` is left alone, so a training script can call it unconditionally.
+        the corresponding leaf of `state` (global, ZeRO-sharded or stacked, on this run's
+        devices), whatever the form and device count at save time. Every array is checked
+        against the hash recorded at save. With no checkpoint in the directory, `state` comes
+        back unchanged and `loader` is left alone, so a training script can call it
+        unconditionally.
 
         Args:
             state: a state of the model being trained, global or stacked.
@@ -192,26 +185,30 @@ class Checkpointer:
             >>> import tempfile, numpy as np, jdp
             >>> with tempfile.TemporaryDirectory() as directory:
             ...     ckpt = jdp.checkpoint.Checkpointer(directory)
-            ...     ckpt.save(5, jdp.replicate({"w": np.arange(3.0)}))   # the stacked layout
+            ...     ckpt.save(5, jdp.pmap.replicate({"w": np.arange(3.0)}))   # the pmap form
             ...     state = ckpt.restore(jdp.broadcast({"w": np.zeros(3)}))   # the global one
             >>> state["w"], state["w"].sharding.is_fully_replicated
             (Array([0., 1., 2.], dtype=float32), True)
         """
         _progress.record("checkpoint")
         self._wait()
-        found, stacked = tree.leaves(state, "Checkpointer.restore")
+        target = pmap.to_global(state)
+        found = tree.leaves(target, "Checkpointer.restore")
         if loader is not None and not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
                             "load_state_dict(); pass a jdp.data.Loader, or loader=None")
-        asked = None if step is None else self._existing(_as_step(step))
-        chosen, values, position = self._first_intact(found, stacked, loader, asked)
+        asked = None if step is None else _as_step(step)
+        if asked is not None and asked not in self.all_steps():
+            raise ValueError(f"Checkpointer.restore: no checkpoint for step {asked} in "
+                             f"{self.directory}; saved steps: {self.all_steps()}. Pass one of "
+                             "those, or step=None for the newest")
+        chosen, values, position = self._first_intact(found, loader, asked)
         self._agree("restore", chosen)
         if chosen is None:
             return state
         if loader is not None:
             loader.load_state_dict(position)
-        return tree.rebuild(state, [tree.place(v, leaf, stacked)
-                                    for v, leaf in zip(values, found, strict=True)])
+        return pmap.like(state, tree.rebuild(target, values))
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when nothing has been saved."""
@@ -225,13 +222,11 @@ class Checkpointer:
         orbax has renamed its finished directory into place, with its commit marker.
         """
         self._wait()
-        return disk.complete_steps(self._root)
+        return _disk().complete_steps(self._root)
 
     def close(self) -> None:
         """Finish a background save (raising if it failed) and release orbax's resources."""
-        if self._async and not self._closed:
-            self._closed = True
-            self._finish()
+        self._finish()
         self._manager.close()
 
     def _wait(self) -> None:
@@ -239,14 +234,13 @@ class Checkpointer:
         if self._async:
             self._manager.wait_until_finished()
 
-    def _finish_at_exit(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._finish()
-
     def _finish(self) -> None:
-        self._manager.wait_until_finished()
-        self._empty_trash()  # what the background save's max_to_keep moved there
+        """Finish a background save, once (at `close` or interpreter exit), and delete what
+        its max_to_keep moved to the trash."""
+        if self._async and not self._closed:
+            self._closed = True
+            self._manager.wait_until_finished()
+            self._empty_trash()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -254,7 +248,7 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _first_intact(self, found: list, stacked: bool, loader: Any,
+    def _first_intact(self, found: list, loader: Any,
                       asked: int | None) -> tuple[int | None, list, Any]:
         """Read checkpoint `asked`, or else the newest that verifies: (step, values in `found`
         order, loader position); step None when the directory holds no checkpoint."""
@@ -262,15 +256,17 @@ class Checkpointer:
         for _ in range(_RELISTS):  # a writer may delete the steps we were about to read
             steps = [asked] if asked is not None else [
                 s for s in reversed(self.all_steps()) if s not in damaged]
-            if not steps:
-                break
             for step in steps:
                 try:
-                    return (step, *self._read(step, found, stacked, loader))
+                    return (step, *self._read(step, found, loader))
                 except Damaged as e:
                     vanished = step not in self.all_steps()  # max_to_keep removed it
                     if asked is not None:
-                        raise self._unreadable(step, e, vanished) from None
+                        raise CorruptCheckpointError(
+                            f"Checkpointer.restore: checkpoint {step} in {self.directory} "
+                            + ("was deleted while being read" if vanished else
+                               f"is damaged: {e}") + ". Restore another step (step=None "
+                            "picks the newest intact one)") from None
                     if vanished:
                         break  # list again: newer steps may have appeared meanwhile
                     damaged[step] = str(e)
@@ -291,59 +287,32 @@ class Checkpointer:
             f"{'; '.join(f'{s}: {e}' for s, e in damaged.items())}. Restore from a copy, or "
             "start afresh in a new directory")
 
-    def _unreadable(self, step: int, error: Damaged, vanished: bool) -> CorruptCheckpointError:
-        """The error for a checkpoint that the user asked for by step and that failed."""
-        reason = "was deleted while being read" if vanished else f"is damaged: {error}"
-        return CorruptCheckpointError(
-            f"Checkpointer.restore: checkpoint {step} in {self.directory} {reason}. Restore "
-            "another step (step=None picks the newest intact one)")
-
-    def _read(self, step: int, found: list, stacked: bool, loader: Any) -> tuple[list, Any]:
+    def _read(self, step: int, found: list, loader: Any) -> tuple[list, Any]:
         """Checkpoint `step`'s values in `found` order and loader position, verified."""
-        record = _integrity.checked_record(
-            self._restore_items(step, {INTEGRITY: ocp.args.JsonRestore()})[INTEGRITY])
+        disk = _disk()
+        record = _integrity.checked(self._checked_read(
+            step, lambda: disk.RecordHandler().restore(self._root / str(step) / disk.INTEGRITY),
+            f"{disk.INTEGRITY} item ({_integrity.RECORD_FILE})"))
         _integrity.check_structure(record["arrays"], found, step)
         if loader is not None and record["loader_crc32"] is None:
             raise ValueError(
                 f"Checkpointer.restore: checkpoint {step} in {self.directory} holds no loader "
                 "position (it was saved with loader=None); pass loader=None to restore only "
                 "the state")
-        targets = {leaf.keys: tree.target(leaf, stacked) for leaf in found}
-        items = {STATE: ocp.args.PyTreeRestore(
-            tree.saved_tree({k: t[0] for k, t in targets.items()}),
-            restore_args=tree.saved_tree({k: t[1] for k, t in targets.items()}))}
-        if loader is not None:
-            items[LOADER] = ocp.args.JsonRestore()
-        restored = self._restore_items(step, items)
-        flat = tree.saved_flat(restored[STATE])
-        values = [flat.get(leaf.keys) for leaf in found]
-        for leaf, value in zip(found, values, strict=True):
-            if value is None:
-                raise Damaged(f"array {leaf.name}: missing from the restored state")
-            _integrity.verify(leaf.name, tree.crop(tree.host_value(value), leaf.shape),
-                              record["arrays"][leaf.name])
-        position = restored.get(LOADER) if loader is not None else None
-        if loader is not None:
-            _integrity.verify_position(position, record["loader_crc32"])
-        return values, position
+        restored = self._checked_read(step, lambda: self._manager.restore(
+            step, args=disk.restore_args(found, loader is not None)), "state item")
+        values = disk.values(restored, found)
+        position = restored.get(disk.LOADER) if loader is not None else None
+        _integrity.verify(found, values, position, record)
+        return [tree.restored(leaf, v) for leaf, v in zip(found, values, strict=True)], position
 
-    def _restore_items(self, step: int, items: dict) -> Any:
-        """orbax's restore of `items`, with any failure turned into Damaged naming the file."""
+    def _checked_read(self, step: int, read: Any, what: str) -> Any:
+        """`read()`, with any failure turned into Damaged naming the file."""
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(**items))
+            return read()
         except Exception as e:  # tensorstore, orbax, json and OS errors alike
-            what = f"{INTEGRITY} item ({_integrity.RECORD_FILE})" if INTEGRITY in items \
-                else "state item"
             raise _integrity.from_error(e, os.path.join(self.directory, str(step)), what) \
                 from None
-
-    def _existing(self, step: int) -> int:
-        steps = self.all_steps()
-        if step not in steps:
-            raise ValueError(f"Checkpointer.restore: no checkpoint for step {step} in "
-                             f"{self.directory}; saved steps: {steps}. Pass one of those, or "
-                             "step=None for the newest")
-        return step
 
     def _prepare_to_write(self) -> None:
         """Create the directory; on process 0, delete what crashed earlier writers left."""
@@ -354,12 +323,12 @@ class Checkpointer:
                              f"{self.directory!r} ({e.strerror or e}); pass a writable "
                              "directory path") from None
         if jax.process_index() == 0:
-            disk.remove_leftovers(self._root)
+            _disk().remove_leftovers(self._root)
         self._manager.reload()  # max_to_keep counts the steps on disk, not in memory
 
     def _empty_trash(self) -> None:
         if jax.process_index() == 0:
-            disk.empty_trash(self._root)
+            _disk().empty_trash(self._root)
 
     def _agree(self, what: str, step: int | None) -> None:
         """Raise on every process unless all processes chose the same `step`."""

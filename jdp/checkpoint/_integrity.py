@@ -1,25 +1,35 @@
 """Integrity records of checkpoints: what each array was at save, checked at restore.
 
-orbax and tensorstore check neither the bytes of an array nor that every file is present: a few
-bytes overwritten inside a data file restore as wrong numbers, and a truncated or deleted file
-fails 20 frames deep in tensorstore. So every checkpoint carries a small JSON record (the
-`integrity` item) with each array's shape, dtype and CRC32 of its bytes, computed on the host
-from the logical value (one copy, whatever the layout), plus a CRC32 of the loader position.
-A restore compares what it read against the record, and every read failure becomes `Damaged`,
-naming the file or the array, so that the Checkpointer can fall back to an older checkpoint.
+orbax checks neither an array's bytes nor that every file is present (it checksums only a zarr3
+shard's index): overwritten bytes restore as wrong numbers, a truncated file fails deep inside
+tensorstore. So each checkpoint has an `integrity` item: process 0's record of every array's
+logical shape and dtype, the loader position's CRC32, and from every process a 32-bit hash of
+the shards it holds the first copy of. An array's hash is the sum (mod 2**32) over its elements
+of a bijective mix of bits and position: one changed element changes it, and the partial sums
+over any sharding add up to the same number. So the devices hash each shard where it lives,
+the save only dispatches that, the (background) write fetches the sums: no host copy and no
+cross-process gather. A restore hashes what it read, in any sharding, and compares; every read
+failure becomes `Damaged`, naming the file or the array, and the Checkpointer falls back.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import zlib
-from collections.abc import Iterable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec
 
-FORMAT = 1
-RECORD_FILE = "integrity/metadata"  # where orbax's JsonSave puts the record inside a step
+from jdp.core._mesh import AXIS, mesh, replicated
+
+FORMAT = 2
+RECORD_FILE = "integrity/metadata"  # process 0's record; process i adds metadata.process_i
 
 
 class Damaged(Exception):
@@ -30,11 +40,6 @@ class CorruptCheckpointError(ValueError):
     """Raised by `Checkpointer.restore(step=k)` when checkpoint k fails verification."""
 
 
-def crc32(value: np.ndarray) -> int:
-    """CRC32 of an array's bytes in C order (any dtype, 0-d included)."""
-    return zlib.crc32(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
-
-
 def position_crc32(position: Any) -> int | None:
     """CRC32 of a loader position's canonical JSON (None when there is none)."""
     if position is None:
@@ -42,45 +47,114 @@ def position_crc32(position: Any) -> int | None:
     return zlib.crc32(json.dumps(position, sort_keys=True).encode())
 
 
-def record(values: Iterable[tuple[str, np.ndarray]], position: Any) -> dict:
-    """The integrity record of one checkpoint: {name: shape, dtype, crc32} + the loader's.
-
-    `values` may be a generator: each host value is dropped once summed, so a large state
-    never sits on the host whole just to be checksummed.
-    """
-    arrays = {name: {"shape": list(v.shape), "dtype": str(v.dtype), "crc32": crc32(v)}
-              for name, v in values}
-    return {"format": FORMAT, "arrays": arrays, "loader_crc32": position_crc32(position)}
+def record(found: list, position: Any) -> dict:
+    """Process 0's record, without hashes: {name: shape, dtype}, the loader's CRC32 and the
+    number of processes whose hashes complete it."""
+    arrays = {leaf.name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype)} for leaf in found}
+    return {"format": FORMAT, "arrays": arrays, "loader_crc32": position_crc32(position),
+            "processes": jax.process_count()}
 
 
-def checked_record(data: Any) -> dict:
-    """`data` if it is a well-formed record; Damaged otherwise."""
-    if not (isinstance(data, dict) and data.get("format") == FORMAT
-            and isinstance(data.get("arrays"), dict) and "loader_crc32" in data
-            and all(_entry_ok(e) for e in data["arrays"].values())):
+def hashes(found: list, values: list) -> jax.Array:
+    """Dispatch the hashes of `values` (the arrays of `found`, in order): [devices, leaves],
+    row d the partial hashes of what device d holds the first copy of. Returns at once."""
+    m = mesh()
+    values = [v if isinstance(v, jax.Array) and getattr(v.sharding, "mesh", None) == m
+              else jax.device_put(v, replicated()) for v in values]
+    return _device_hashes(tuple(values), tuple(v.sharding.spec for v in values),
+                          tuple(leaf.shape for leaf in found))
+
+
+def process_sums(names: list[str], partial: jax.Array,
+                 every_process: bool = False) -> dict[str, int]:
+    """{name: this process's share of the array's hash} from `hashes` (waits for it); with
+    `every_process`, the whole hash (a collective: every process calls it)."""
+    rows = sum(np.asarray(s.data, np.uint64).sum(0) for s in partial.addressable_shards)
+    if every_process and jax.process_count() > 1:
+        rows = np.asarray(multihost_utils.process_allgather(rows % 2**32)).sum(0)
+    return {n: int(h) % 2**32 for n, h in zip(names, rows, strict=True)}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _device_hashes(values: tuple, specs: tuple, shapes: tuple) -> jax.Array:
+    def per_device(*blocks):
+        d = lax.axis_index(AXIS)
+        out = []
+        for block, spec, shape in zip(blocks, specs, shapes, strict=True):
+            split = [i for i, axis in enumerate(spec) if axis is not None]
+            start = [d * block.shape[i] if i in split else 0 for i in range(block.ndim)]
+            one = functools.partial(_block_hash, block, start, shape)
+            # A replicated array's first copy is device 0's: only it hashes.
+            out.append(one() if split else lax.cond(d == 0, one, lambda: jnp.uint32(0)))
+        return jnp.stack(out)[None] if out else jnp.zeros((1, 0), jnp.uint32)
+
+    return jax.shard_map(per_device, mesh=mesh(), in_specs=specs,
+                         out_specs=PartitionSpec(AXIS))(*values)
+
+
+def _block_hash(block: jax.Array, start: list, shape: tuple) -> jax.Array:
+    """Sum of mix(bits, position) over a block's elements inside the logical `shape` (ZeRO's
+    padding rows left out); `start` is the block's offset in the array."""
+    words = _words(block).reshape(*block.shape, -1)
+    index, inside, stride = jnp.uint32(0), jnp.bool_(True), 1
+    for k in reversed(range(block.ndim)):
+        at = lax.broadcasted_iota(jnp.uint32, block.shape, k) + jnp.uint32(start[k])
+        index, inside = index + at * jnp.uint32(stride), inside & (at < shape[k])
+        stride = stride * shape[k] % 2**32
+    key = index[..., None] * jnp.uint32(words.shape[-1]) + lax.broadcasted_iota(
+        jnp.uint32, words.shape, words.ndim - 1)
+    mixed = _fmix(words ^ _fmix(key + jnp.uint32(0x9E3779B9)))
+    return jnp.sum(jnp.where(inside[..., None], mixed, jnp.uint32(0)), dtype=jnp.uint32)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of each element as uint32 words, `[..., words]`."""
+    if jnp.iscomplexobj(x):
+        x = jnp.stack([x.real, x.imag], -1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if x.dtype.itemsize < 4:
+        return lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]
+                                        ).astype(jnp.uint32)
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _fmix(h: jax.Array) -> jax.Array:
+    """murmur3's finaliser: a bijection of uint32 in which every input bit moves every output
+    bit."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def checked(records: list) -> dict:
+    """Process 0's record with "hashes" the sum of every process's; Damaged if malformed."""
+    first = records[0]
+    if not (isinstance(first, dict) and first.get("format") == FORMAT
+            and isinstance(first.get("arrays"), dict) and "loader_crc32" in first
+            and all(isinstance(e, dict) and isinstance(e.get("shape"), list)
+                    and all(isinstance(n, int) for n in e["shape"])
+                    and isinstance(e.get("dtype"), str) for e in first["arrays"].values())
+            and all(isinstance(r, dict) and isinstance(r.get("hashes"), dict)
+                    for r in records)):
         raise Damaged(f"{RECORD_FILE}: not a jdp integrity record (format {FORMAT})")
-    return data
+    total = {name: sum(r["hashes"].get(name, 0) for r in records) % 2**32
+             for name in first["arrays"]}
+    return {**first, "hashes": total}
 
 
-def _entry_ok(entry: Any) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
-            and all(isinstance(n, int) for n in entry["shape"])
-            and isinstance(entry.get("dtype"), str) and isinstance(entry.get("crc32"), int))
-
-
-def verify(name: str, value: np.ndarray, entry: dict) -> None:
-    """Damaged unless `value` is what the record says array `name` was at save."""
-    got = (list(value.shape), str(value.dtype), crc32(value))
-    want = (entry["shape"], entry["dtype"], entry["crc32"])
-    if got != want:
-        raise Damaged(f"array {name}: read {_describe(got)}, saved {_describe(want)}")
-
-
-def verify_position(position: Any, want: int | None) -> None:
-    """Damaged unless the loader position read back is the one saved."""
-    got = position_crc32(position)
-    if got != want:
-        raise Damaged(f"loader position: CRC32 {got} read, {want} saved")
+def verify(found: list, values: list, position: Any, record: dict) -> None:
+    """Damaged naming the first array (or the loader position, if read) that differs from
+    the record; a collective: every process calls it."""
+    names = [leaf.name for leaf in found]
+    got = process_sums(names, hashes(found, values), every_process=True)
+    for name in names:
+        if got[name] != record["hashes"][name]:
+            raise Damaged(f"array {name}: read hash {got[name]:#010x}, saved "
+                          f"{record['hashes'][name]:#010x}")
+    if position is not None and position_crc32(position) != record["loader_crc32"]:
+        raise Damaged(f"loader position: CRC32 {position_crc32(position)} read, "
+                      f"{record['loader_crc32']} saved")
 
 
 def from_error(error: BaseException, step_dir: str, what: str) -> Damaged:
@@ -89,11 +163,6 @@ def from_error(error: BaseException, step_dir: str, what: str) -> Damaged:
     files = re.findall(re.escape(step_dir.rstrip("/")) + r"/([^\s'\"\]\),;:]+)", text)
     where = max(files, key=len).rstrip(".") if files else what  # the most specific file
     return Damaged(f"{where}: {type(error).__name__}: {text[:300]}")
-
-
-def _describe(info: tuple) -> str:
-    shape, dtype, crc = info
-    return f"shape {tuple(shape)} {dtype} CRC32 {crc:#010x}"
 
 
 def check_structure(saved: dict, found: list, step: int) -> None:

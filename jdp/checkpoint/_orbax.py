@@ -1,22 +1,144 @@
-"""How jdp's checkpoints use orbax: manager options, item handlers, and the directory's layout.
+"""How jdp's checkpoints use orbax: the manager, the items of a step, and the directory's layout.
+
+Imported only inside the Checkpointer's methods, so that `import jdp` does not load orbax.
 
 A checkpoint directory holds finished steps `<step>/` (each with orbax's commit marker), the
-tmp directories of saves in progress or of writers that died, and `.jdp-deleting/`, where old
-steps are renamed before they are deleted so that a reader never sees half of one. Only the
-writer (process 0 of the job that saves) removes anything.
+tmp directories of unfinished saves, and `.jdp-deleting/`, where old steps are renamed before
+they are deleted. A step holds three items: `state` (the arrays), `loader` (the position, if
+any) and `integrity` (one record per process).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import traverse_util
+
+from jdp.checkpoint._integrity import Damaged
 
 STATE, LOADER, INTEGRITY = "state", "loader", "integrity"  # the items of one checkpoint
 TRASH = ".jdp-deleting"  # old steps are renamed in here, then deleted, by the writer
 _LEFTOVER = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # a save that never finished
 _DONE = "commit_success.txt"  # orbax writes it last, before the final rename
+
+
+def manager(directory: str, max_to_keep: int | None, async_save: bool) -> ocp.CheckpointManager:
+    """orbax's CheckpointManager for one writer and any number of readers."""
+    policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(max_to_keep)
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=policy, enable_async_checkpointing=async_save, create=False,
+        # Readers must never delete: leftovers of a killed save are removed by `save`.
+        cleanup_tmp_directories=False,
+        # Old steps leave by one rename (a reader sees all of a step or none of it).
+        todelete_subdir=TRASH,
+        # Do not read every step's metadata at construction: a writer may be deleting one.
+        lightweight_initialize=True,
+        multiprocessing_options=_multiprocessing_options())
+    return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
+
+
+def _multiprocessing_options() -> ocp.options.MultiprocessingOptions:
+    # Naming the processes makes orbax wait at coordination-service barriers, which time out,
+    # instead of device all-reduces, which can hang forever.
+    processes = set(range(jax.process_count())) if jax.process_count() > 1 else None
+    return ocp.options.MultiprocessingOptions(primary_host=0, active_processes=processes)
+
+
+@dataclasses.dataclass
+class RecordSave(ocp.args.CheckpointArgs):
+    """This process's integrity record, made by `make()` in the background write."""
+    make: Callable[[], dict]
+
+
+class RecordHandler(ocp.AsyncCheckpointHandler):
+    """Writes `integrity/metadata` (process 0) or `metadata.process_<i>` in the background.
+
+    `make()` waits for the hashes the save dispatched to the devices: the devices compute them
+    while the host returns to training, and this write, like orbax's array writes, is done
+    before the step is committed.
+    """
+
+    async def async_save(self, directory: epath.Path, args: RecordSave) -> list:
+        async def write():  # in orbax's background thread
+            self.save(directory, args)
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jdp_record")]
+
+    def save(self, directory: epath.Path, args: RecordSave) -> None:
+        text = json.dumps(args.make())
+        (directory / _record_name(jax.process_index())).write_text(text)
+
+    def restore(self, directory: epath.Path, args: Any = None) -> list:
+        """Every process's record, process 0's first."""
+        first = json.loads((directory / _record_name(0)).read_text())
+        count = first.get("processes") if isinstance(first, dict) else None
+        return [first, *(json.loads((directory / _record_name(i)).read_text())
+                         for i in range(1, count if isinstance(count, int) else 1))]
+
+
+def _record_name(process: int) -> str:
+    return "metadata" if process == 0 else f"metadata.process_{process}"
+
+
+def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
+    """Which orbax handler saves each item (so that a fresh manager can restore quietly)."""
+    mp = _multiprocessing_options()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    loader = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
+    state, record = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp), RecordHandler()
+    for item, handler, args in [(LOADER, loader, (ocp.args.JsonSave, ocp.args.JsonRestore)),
+                                (STATE, state, (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)),
+                                (INTEGRITY, record, (RecordSave,))]:
+        for arg in args:
+            registry.add(item, arg, handler)
+    return registry
+
+
+def save_args(found: list, make_record: Callable[[], dict], position: Any) -> Any:
+    """The items of one checkpoint, for `CheckpointManager.save`: the arrays of `found` as
+    a nested dict of their names, the record, the loader's position."""
+    state = traverse_util.unflatten_dict({leaf.keys: leaf.leaf for leaf in found})
+    items = {STATE: ocp.args.PyTreeSave(state), INTEGRITY: RecordSave(make_record)}
+    if position is not None:
+        items[LOADER] = ocp.args.JsonSave(position)
+    return ocp.args.Composite(**items)
+
+
+def restore_args(found: list, loader: bool) -> Any:
+    """The items to read: each array as its template leaf is (numpy, or a global array with
+    its sharding and shape: strict=False cuts or zero-fills ZeRO's padding), and the loader."""
+    targets = {leaf.keys: _target(leaf) for leaf in found}
+    items = {STATE: ocp.args.PyTreeRestore(
+        traverse_util.unflatten_dict({k: t[0] for k, t in targets.items()}),
+        restore_args=traverse_util.unflatten_dict({k: t[1] for k, t in targets.items()}))}
+    if loader:
+        items[LOADER] = ocp.args.JsonRestore()
+    return ocp.args.Composite(**items)
+
+
+def values(restored: Any, found: list) -> list:
+    """The arrays of a restored checkpoint in `found` order; Damaged if one is missing."""
+    flat = traverse_util.flatten_dict(restored[STATE])
+    for leaf in found:
+        if flat.get(leaf.keys) is None:
+            raise Damaged(f"array {leaf.name}: missing from the restored state")
+    return [flat[leaf.keys] for leaf in found]
+
+
+def _target(leaf: Any) -> tuple[Any, ocp.RestoreArgs]:
+    if isinstance(leaf.leaf, np.ndarray):
+        # A zero-byte view of the right shape and dtype: orbax reads it as "numpy, please".
+        return (np.broadcast_to(np.empty((), leaf.dtype), leaf.physical),
+                ocp.RestoreArgs(restore_type=np.ndarray))
+    sharding = leaf.leaf.sharding
+    return (jax.ShapeDtypeStruct(leaf.physical, leaf.dtype, sharding=sharding),
+            ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.physical, strict=False))
 
 
 def complete_steps(root: epath.Path) -> list[int]:
@@ -41,38 +163,3 @@ def empty_trash(root: epath.Path) -> None:
     trash = root / TRASH
     if trash.exists():
         trash.rmtree()
-
-
-def manager_options(max_to_keep: int | None, async_save: bool) -> ocp.CheckpointManagerOptions:
-    """orbax's CheckpointManager options for one writer and any number of readers."""
-    policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(max_to_keep)
-    return ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=async_save, create=False,
-        # Readers must never delete: leftovers of a killed save are removed by `save`.
-        cleanup_tmp_directories=False,
-        # Old steps leave by one rename (a reader sees all of a step or none of it).
-        todelete_subdir=TRASH,
-        # Do not read every step's metadata at construction: a writer may be deleting one.
-        lightweight_initialize=True,
-        multiprocessing_options=_multiprocessing_options())
-
-
-def _multiprocessing_options() -> ocp.options.MultiprocessingOptions:
-    # Naming the processes makes orbax wait at coordination-service barriers, which time out,
-    # instead of device all-reduces, which can hang forever.
-    processes = set(range(jax.process_count())) if jax.process_count() > 1 else None
-    return ocp.options.MultiprocessingOptions(primary_host=0, active_processes=processes)
-
-
-def registry() -> ocp.handlers.CheckpointHandlerRegistry:
-    """Which orbax handler saves each item (so that a fresh manager can restore quietly)."""
-    mp = _multiprocessing_options()
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp)
-    for item in (LOADER, INTEGRITY):
-        json_handler = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
-        registry.add(item, ocp.args.JsonSave, json_handler)
-        registry.add(item, ocp.args.JsonRestore, json_handler)
-    registry.add(STATE, ocp.args.PyTreeSave, state)
-    registry.add(STATE, ocp.args.PyTreeRestore, state)
-    return registry

@@ -1,14 +1,9 @@
 """A train state as a checkpoint sees it: its array leaves, each with a name and a logical shape.
 
-The Checkpointer sees global arrays only (`jdp.pmap.to_global` hands it one copy of a stacked
-state). orbax writes each global array shard by shard (each shard once, by the process that
-holds it) and reads it back straight into any target sharding, so a checkpoint restores on any
-device or process count.
-
 ZeRO's optimizer state (`jdp.broadcast(state, shard_optimizer=True)`) is stored padded on the
-leading axis to a multiple of the device count. The checkpoint records the logical (unpadded)
-shape; orbax writes the padded shards as they are and, at restore, cuts or zero-fills the
-padding to the target's shape, so 8 devices sharded -> 2 devices unsharded works.
+leading axis to a multiple of the device count. The checkpoint records the logical shape; orbax
+writes the padded shards as they are and, at restore, cuts or zero-fills the padding to the
+target's shape, so 8 devices sharded -> 2 devices unsharded works.
 """
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from flax import traverse_util
 
 
 class Leaf(NamedTuple):
@@ -85,16 +79,6 @@ def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...
     return out
 
 
-def nested(items: dict[tuple[str, ...], Any]) -> dict:
-    """{keys: value} as the nested dict orbax saves and restores."""
-    return traverse_util.unflatten_dict(items)
-
-
-def flat(tree: dict) -> dict[tuple[str, ...], Any]:
-    """The nested dict orbax restored as {keys: value}."""
-    return traverse_util.flatten_dict(tree)
-
-
 def restored(leaf: Leaf, value: Any) -> Any:
     """A restored value as the template leaf holds it: numpy for numpy (ZeRO's padding cut or
     zero-filled to the template's), the global array orbax placed otherwise."""
@@ -106,7 +90,7 @@ def restored(leaf: Leaf, value: Any) -> Any:
 
 def rebuild(state: Any, values: list) -> Any:
     """`state` with its array leaves, in `leaves()` order, replaced by `values`."""
-    flat_state, treedef = jax.tree.flatten(state)
+    flat, treedef = jax.tree.flatten(state)
     given = iter(values)
     return jax.tree.unflatten(treedef, [next(given) if isinstance(x, (jax.Array, np.ndarray))
-                                        else x for x in flat_state])
+                                        else x for x in flat])
