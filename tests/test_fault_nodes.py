@@ -79,7 +79,7 @@ def test_a_rank_killed_on_node_1_restarts_every_node_in_one_round(tmp_path, tag)
     assert codes == [0, 0], texts
     for text in texts:   # one summary per launcher, naming the killed rank and its node
         assert text.count("rank 3 on node 1 failed with signal SIGKILL") == 1, text
-        assert "restart round 1 of 1" in text, text
+        assert "restart 1 of 1" in text, text
         assert not any(word in text for word in ABORTS), text
     for rank in range(4):
         out = (logs / f"rank.{rank}" / "stdout").read_text()

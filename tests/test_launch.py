@@ -171,7 +171,7 @@ def test_a_failing_rank_stops_the_job_with_its_exit_code(tmp_path, tag, mode, co
     assert proc.returncode == code, err
     assert ended - left < 10
     summary = err[err.index("jdp.launch: rank"):]
-    assert f"jdp.launch: rank 1 failed with exit code {code}" in summary
+    assert f"jdp.launch: rank 1 of 2 failed with exit code {code}" in summary
     assert text in summary and "LEAVING" in summary    # the tail of rank 1's stderr
     assert wait_until_gone(tag, timeout=1.0) < 1.0
 
@@ -223,7 +223,7 @@ def test_max_restarts_restarts_all_ranks_after_a_failure(tmp_path, tag):
     proc = start_launcher(["--nproc_per_node", 2, "--max_restarts", 1, script], job_env(tag))
     out, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, err
-    assert "rank 1 failed with exit code 5" in err and "restart 1 of 1" in err
+    assert "rank 1 of 2 failed with exit code 5" in err and "restart 1 of 1" in err
     assert "[rank0]: attempt 1 done" in out and "[rank1]: attempt 1 done" in out
 
 
@@ -277,7 +277,8 @@ def test_master_port_in_use_is_refused(tmp_path, capsys):
 
 
 def test_help_documents_every_option_and_variable():
-    text = jdp.launch.build_parser().format_help()
+    from jdp.launch._cli import build_parser
+    text = build_parser().format_help()
     for word in ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port",
                  "--logdir", "--redirect_stdout_and_stderr", "--no_python", "--max_restarts",
                  "--devices_per_process", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -316,3 +317,34 @@ def test_gloo_connection_lines_are_kept_in_the_log_files(tmp_path, tag):
     logged = "".join((logdir / f"rank.{r}" / s).read_text() for r in (0, 1)
                      for s in ("stdout", "stderr"))
     assert logged.count("[Gloo] Rank") == 2, logged
+
+
+def _module_level_imports(tree):
+    """Top-level names a module imports when it is loaded (imports inside functions run later,
+    in a rank, and are not the launcher's)."""
+    import ast
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield node.module if node.level == 0 else "."
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+
+
+def test_the_launcher_imports_the_standard_library_only():
+    """No module of jdp/launch loads JAX, numpy or any other package: the launcher process
+    stays light, and the runner (_run.py, run by path before the user's script) imports no
+    jdp module at all."""
+    import ast
+    import pathlib
+    import sys
+    folder = pathlib.Path(jdp.launch.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for name in _module_level_imports(ast.parse(path.read_text())):
+            top = name.split(".")[0]
+            allowed = top in sys.stdlib_module_names or (
+                path.name != "_run.py" and (name == "jdp.launch" or name.startswith("jdp.launch.")))
+            assert allowed, f"{path.name} imports {name}"

@@ -105,9 +105,3 @@ def test_timeout_stops_every_rank_and_raises(tmp_path, tagged):
     with pytest.raises(TimeoutError, match="timeout=1"):
         jdp.spawn(targets.fail_on_rank, args=(-1, str(tmp_path)), nprocs=2, timeout=1)
     assert time.monotonic() - start < 10
-
-
-def test_the_runner_and_the_supervisor_agree_on_variable_names():
-    """jdp/_exit.py spells JDP_ERROR_FILE itself (the runner loads it without the package)."""
-    from jdp.launch import _env, _exit
-    assert _exit._ERROR_FILE == _env.ERROR_FILE

@@ -28,7 +28,7 @@ import numpy as np
 from jax._src import distributed as _jax_distributed  # no public API: see above
 from jax.experimental import multihost_utils
 
-from jdp.launch import _env, _exit, _malloc, _net
+from jdp.launch import _env, _malloc, _net, _run
 from jdp.distributed import _rendezvous
 
 DEFAULT_INIT_TIMEOUT = 60
@@ -285,7 +285,7 @@ def _install_fail_fast_excepthook() -> None:
     shutdown timeout) and then die by SIGABRT, hiding the real error and its exit code. This
     is what gives a job run by mpirun or srun (no jdp runner around the script) the
     launcher's behaviour. `sys.exit` is replaced by one whose SystemExit, when nothing catches
-    it, ends the process with its code before atexit (jdp/_exit.py); code that catches
+    it, ends the process with its code before atexit (`jdp.launch._run.PromptExit`); code that catches
     SystemExit still can. A bare `raise SystemExit(n)` cannot be seen early and still waits.
     Interactive sessions keep Python's behaviour.
     """
@@ -294,12 +294,12 @@ def _install_fail_fast_excepthook() -> None:
     previous = sys.excepthook
 
     def fail_fast(exc_type, exc, tb):
-        _exit.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
+        _run.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
 
     fail_fast._jdp_previous = previous  # type: ignore[attr-defined]
     fail_fast._jdp_sys_exit = sys.exit  # type: ignore[attr-defined]
     sys.excepthook = fail_fast
-    sys.exit = _exit.prompt_sys_exit
+    sys.exit = _run.prompt_sys_exit
 
 
 def shutdown() -> None:

@@ -10,14 +10,14 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 
-from jdp.launch import _env, _exit, _net, _nodes, _supervisor, _watchdog
+from jdp.launch import _env, _net, _rounds, _supervisor
+from jdp.launch._outcome import Job, Outcome
 
-RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
 WHO = "jdp.launch"
 
 DESCRIPTION = """\
@@ -241,9 +241,9 @@ def _port_problem(args: argparse.Namespace) -> str | None:
 def command(args: argparse.Namespace) -> list:
     """The command line of one process: the script (or program) through jdp's runner."""
     if args.no_python:
-        return [sys.executable, RUNNER, "--exec", args.script, *args.script_args]
+        return [sys.executable, _supervisor.RUNNER, "--exec", args.script, *args.script_args]
     target = ["-m", args.script] if args.module else [args.script]
-    return [sys.executable, "-u", RUNNER, *target, *args.script_args]
+    return [sys.executable, "-u", _supervisor.RUNNER, *target, *args.script_args]
 
 
 def rank_specs(args: argparse.Namespace, port: int, attempt: int,
@@ -262,100 +262,21 @@ def rank_specs(args: argparse.Namespace, port: int, attempt: int,
     return specs
 
 
-EXIT_STALLED = 124   # the progress watchdog stopped the job (as coreutils' `timeout`)
-
-
 def launch(args: argparse.Namespace) -> int:
-    """Run the job, restarting it up to args.max_restarts times; return the exit status."""
+    """Run the job in rounds (restarts, several nodes: see `_rounds`); return the exit status."""
+    job = Job(WHO, args.nnodes * args.nproc_per_node, args.nnodes, args.node_rank,
+              args.progress_timeout)
     limits = _supervisor.Limits(stop_grace_s=args.stop_grace,
                                 progress_timeout_s=args.progress_timeout)
     with _compilation_cache(args) as cache_env:
-        if args.nnodes > 1:
-            return _launch_nodes(args, limits, cache_env)
-        for attempt in range(args.max_restarts + 1):
-            port = args.master_port or _net.free_port(args.master_addr)
-            output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
-                                        append=attempt > 0)
-            specs = rank_specs(args, port, attempt, cache_env)
-            outcome = _supervisor.run(specs, output, limits)
-            if outcome.signal is not None:
-                _say(_stopped_message(outcome, args))
-                return 128 + outcome.signal
-            if outcome.failed_rank is None and outcome.stall is None:
-                return 0
-            _say(_failure_report(outcome, args))
-            if attempt < args.max_restarts:
-                _say(f"{WHO}: restarting all processes (restart {attempt + 1} of "
-                     f"{args.max_restarts}).")
-    return EXIT_STALLED if outcome.stall else _exit.exit_status(outcome.returncode)
-
-
-def _launch_nodes(args: argparse.Namespace, limits: _supervisor.Limits, cache_env: dict) -> int:
-    """This node's part of a multi-node job: run the rounds node 0's keeper starts (_nodes)."""
-    keeper = (_nodes.Keeper(args.master_addr, args.rdzv_port, args.nnodes, args.max_restarts)
-              if args.node_rank == 0 else None)
-    link = None
-    try:
-        link = _nodes.Link(args.master_addr, args.rdzv_port, args.node_rank)
-        own_signal = None
-        while True:
-            message = link.next()
-            if message.get("failure"):
-                _say(_nodes.failure_report(message["failure"], WHO, args.nnodes,
-                                           args.nnodes * args.nproc_per_node))
-            if "exit" in message:
-                return 128 + own_signal if own_signal else message["exit"]
-            r = message["start"]
-            if r > 0:
-                _say(f"{WHO}: restart round {r} of {args.max_restarts}: starting the processes "
-                     f"of all {args.nnodes} nodes again.")
+        def run_round(r: int, stop: threading.Event) -> Outcome:
+            port = args.master_port or _net.free_port(args.master_addr)   # fresh per round
             output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
                                         append=r > 0)
-            outcome = _supervisor.run(rank_specs(args, args.master_port, r, cache_env), output,
-                                      limits, stop=link.stop)
-            stall = None if outcome.stall is None else _watchdog.report(
-                WHO, *outcome.stall, args.progress_timeout)
-            how, failure = _nodes.round_end(outcome, args.node_rank, stall, EXIT_STALLED)
-            if how == "signal":
-                own_signal = outcome.signal
-                _say(_stopped_message(outcome, args))
-            link.end(r, how, failure)
-    except TimeoutError as e:
-        _say(f"{WHO}: {e}")
-        return 1
-    finally:
-        if link is not None:
-            link.close()
-        if keeper is not None:
-            keeper.close()
+            return _supervisor.run(rank_specs(args, port, r, cache_env), output, limits, stop)
 
-
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def _failure_report(outcome: _supervisor.Outcome, args: argparse.Namespace) -> str:
-    """The console summary of a failed rank or of a stall."""
-    if outcome.stall is None:
-        return _supervisor.summary(outcome, WHO, args.nproc_per_node)
-    progress, stacks = outcome.stall
-    text = _watchdog.report(WHO, progress, stacks, args.progress_timeout)
-    return (f"{text}\n{WHO}: stopped all {args.nproc_per_node} process(es) after "
-            f"{outcome.seconds:.1f} s (exit status {EXIT_STALLED}).")
-
-
-def _stopped_message(outcome: _supervisor.Outcome, args: argparse.Namespace) -> str:
-    """What happened after SIGINT/SIGTERM to the launcher: how each rank ended, who was killed."""
-    name = signal.Signals(outcome.signal).name
-    ended = ", ".join(f"rank {rank} {_exit.describe_exit(code)}" for rank, code in outcome.codes
-                      if code is not None)
-    if not outcome.killed:
-        return (f"{WHO}: received {name}; passed it on; all {args.nproc_per_node} process(es) "
-                f"have stopped ({ended}).")
-    ranks = ", ".join(map(str, outcome.killed))
-    grace = args.stop_grace if outcome.signal == signal.SIGTERM else _supervisor.GRACE_S
-    return (f"{WHO}: received {name}; passed it on; rank(s) {ranks} still ran {grace:g} s "
-            "later and were killed (--stop_grace).")
+        rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
+        return _rounds.run(job, args.max_restarts, rdzv, run_round)
 
 
 @contextlib.contextmanager

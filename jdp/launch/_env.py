@@ -1,10 +1,12 @@
 """The environment variables a jdp job is run with: one home for their names.
 
-The launcher and `jdp.spawn` set them for each rank; `jdp.initialize`, the rank-side runner
-(jdp/_run.py) and the progress recorder read them. Standard library only: the runner loads
-this file before jax may be imported.
+The launcher and `jdp.spawn` set them for each rank; `jdp.initialize` and the progress
+recorder read them. The rank-side runner (`_run.py`, run by path, importing no sibling) owns
+the four it reads itself; they are re-exported here.
 """
 from __future__ import annotations
+
+from jdp.launch._run import ERROR_FILE, SPAWN_BOOTSTRAP, STACK_FILE, SUPERVISOR_PID
 
 # torchrun's variables, in the order rank_env fills them.
 RANK = "RANK"
@@ -29,9 +31,5 @@ STOP_GRACE = "JDP_STOP_GRACE"
 COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 
 # Between a supervisor and its ranks (internal).
-SUPERVISOR_PID = "JDP_SUPERVISOR_PID"     # the rank dies with this process (Linux)
-ERROR_FILE = "JDP_ERROR_FILE"             # a failing rank writes its traceback here
-SPAWN_BOOTSTRAP = "JDP_SPAWN_BOOTSTRAP"   # set while a jdp.spawn rank imports the parent's main
-PROGRESS_FILE = "JDP_PROGRESS_FILE"       # the rank's progress slot (jdp/_progress.py)
-STACK_FILE = "JDP_STACK_FILE"             # where the rank dumps its Python stacks on SIGUSR1
+PROGRESS_FILE = "JDP_PROGRESS_FILE"       # the rank's progress slot (_progress.py)
 INTERNAL_VARS = (SUPERVISOR_PID, ERROR_FILE, SPAWN_BOOTSTRAP, PROGRESS_FILE, STACK_FILE)

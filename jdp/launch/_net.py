@@ -1,13 +1,14 @@
-"""TCP port checks for the coordinator: pick a free port, test one, wait for one to open.
+"""TCP for the launcher and `initialize`: port checks, and jdp's wire format (JSON lines).
 
 JAX handles a bad coordinator port badly: a port that is already taken makes process 0 die
 with SIGSEGV, and an unreachable coordinator makes the other processes abort (SIGABRT) with a
 C++ stack dump. jdp checks the port itself first, so the user gets a one-line error instead.
-This module imports nothing heavy: the launcher uses it before any child starts.
 """
 from __future__ import annotations
 
 import errno
+import json
+import queue
 import socket
 import time
 
@@ -81,26 +82,65 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
-    """Try to connect to `host:port` until it accepts or `timeout_s` passes.
-
-    Returns:
-        True as soon as a TCP connection succeeds, False at the deadline.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0))):
-                return True
-        except OSError:
-            if time.monotonic() + 0.1 >= deadline:
-                return False
-            time.sleep(0.1)
-
-
 def resolve(host: str, port: int) -> tuple[int, tuple]:
     """(address family, sockaddr) of the first TCP address of `host`."""
     family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port,
                                                    type=socket.SOCK_STREAM)[0]
     return family, sockaddr
+
+
+# jdp's own wire format (the launchers' rounds, initialize's roll call): JSON lines over TCP.
+
+def send(conn: socket.socket, message: dict) -> None:
+    """Send one message as a line of JSON."""
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
+def receive(conn: socket.socket, out: queue.Queue, tag: object = None) -> None:
+    """Put every message read from `conn` into `out` as (tag, message); (tag, None) at the end.
+
+    Runs until the connection closes or breaks (meant for a thread of its own).
+    """
+    buffer = b""
+    try:
+        while chunk := conn.recv(65536):
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                out.put((tag, json.loads(line)))
+    except (OSError, ValueError):
+        pass
+    out.put((tag, None))
+
+
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP server socket bound to `host:port` (SO_REUSEADDR) and listening."""
+    family, sockaddr = resolve(host, port)
+    server = socket.socket(family, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(sockaddr)
+    server.listen(backlog)
+    return server
+
+
+def connect(host: str, port: int, timeout_s: float) -> socket.socket | None:
+    """A connection to `host:port`, retried until it succeeds or `timeout_s` passes (None)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0)))
+        except OSError:
+            if time.monotonic() + 0.1 >= deadline:
+                return None
+            time.sleep(0.1)
+
+
+def receive_one(conn: socket.socket, timeout_s: float) -> dict | None:
+    """The next message on `conn`, or None when none arrives whole within `timeout_s`."""
+    conn.settimeout(max(0.05, timeout_s))
+    try:
+        with conn.makefile("rb") as stream:
+            return json.loads(stream.readline(65536))
+    except (OSError, ValueError):
+        return None

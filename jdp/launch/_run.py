@@ -1,49 +1,130 @@
-"""Child-side entry point: run a rank's code and leave promptly with its own exit code.
+"""The rank side: run one rank's code, and make a failing rank leave at once with its own code.
 
-The launcher runs each Python child as ``python -u /path/to/jdp/_run.py script.py args...`` (or
-``... _run.py -m module args...``, or ``... _run.py --exec program args...`` for --no_python);
-`jdp.spawn` runs ``... _run.py --spawn payload.pkl``. It is run by path, not with
-``-m jdp._run``, so that jax is not imported before the user's script (which may set
-JAX_PLATFORMS or XLA_FLAGS itself); for the same reason it loads its two standard-library
-siblings, jdp/_env.py and jdp/_exit.py, by path rather than through the `jdp` package.
+The supervisor starts each Python rank as ``python -u /path/to/jdp/launch/_run.py script.py
+args...`` (``... _run.py -m module args...``; ``... _run.py --exec program args...`` for
+--no_python; ``... _run.py --spawn payload`` for `jdp.spawn`). It is run by path, not as
+``-m jdp.launch._run``, so that nothing (JAX above all) is imported before the user's script,
+which may set JAX_PLATFORMS or XLA_FLAGS itself. So this file imports the standard library only
+and no sibling module: it holds the names of the variables it reads, and the exit functions
+that `jdp.initialize()` also installs for jobs started by mpirun or srun.
 
-Before the user's code runs it: arranges (Linux) to be killed if the supervisor
-($JDP_SUPERVISOR_PID) dies, even by SIGKILL; makes SIGUSR1 dump every Python thread's stack
-into $JDP_STACK_FILE (the progress watchdog's view of a stuck rank). A failing rank (an
-exception, or `sys.exit(n)` with n != 0) prints its traceback and leaves at once with its own
-code (jdp/_exit.py says why); a rank that succeeds exits normally, so JAX's shutdown barrier
-still lines up the ranks that finish together.
+Before the user's code runs it arranges (Linux) that the rank dies with its supervisor, even
+a SIGKILLed one, and that SIGUSR1 dumps every Python thread's stack into $JDP_STACK_FILE (the
+progress watchdog's view of a stuck rank). A failing rank (an exception, or `sys.exit(n)` with
+n != 0) prints its traceback and leaves with `os._exit(code)` at once: once `jax.distributed`
+is initialised, JAX's atexit handler would otherwise wait in a shutdown barrier for every peer
+and then die by SIGABRT, losing the code. A rank that succeeds exits normally, so JAX's
+shutdown barrier still lines up the ranks that finish together.
 """
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import re
+import runpy
+import signal
 import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
-if __name__ == "__main__":
-    # Run as a file, sys.path[0] is jdp/ itself, whose modules (data, state, ...) would shadow
-    # top-level packages of the same name: drop it before importing anything else.
-    del sys.path[0]
+# Between a supervisor and its ranks (jdp.launch._env re-exports them).
+SUPERVISOR_PID = "JDP_SUPERVISOR_PID"     # the rank dies with this process (Linux)
+ERROR_FILE = "JDP_ERROR_FILE"             # a failing rank writes its traceback here
+SPAWN_BOOTSTRAP = "JDP_SPAWN_BOOTSTRAP"   # set while a jdp.spawn rank imports the parent's main
+STACK_FILE = "JDP_STACK_FILE"             # where the rank dumps its Python stacks on SIGUSR1
 
-import faulthandler  # noqa: E402
-import importlib.util  # noqa: E402
-import os  # noqa: E402
-import pickle  # noqa: E402
-import runpy  # noqa: E402
-import signal  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _sibling(name: str):
-    """Load jdp/<name>.py by path under a private name, without importing the jdp package."""
-    spec = importlib.util.spec_from_file_location(f"_jdp_runner{name}",
-                                                  os.path.join(_HERE, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_env = _sibling("_env")
-_exit = _sibling("_exit")
+LOST_PEER_DELAY_S = 1.0
+_LOST_PEER = re.compile(r"gloo|nccl|connection (closed|reset) by peer|coordination service",
+                        re.IGNORECASE)
 _stack_file = None   # kept open: faulthandler writes to its descriptor
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush stdout, stderr and logging, then end the process with `code`, skipping atexit.
+
+    Skipping atexit is the point: JAX's handler would wait for the other ranks.
+    """
+    import logging
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not change the exit code
+            pass
+    os._exit(code)
+
+
+def report_failure(code: int = 1, exc: BaseException | None = None) -> NoReturn:
+    """Print an exception's traceback to stderr (and to $JDP_ERROR_FILE), then exit_now(code).
+
+    `exc` defaults to the exception being handled. A rank whose collective failed because a
+    peer vanished waits a moment before leaving, so that a supervisor sees the peer, the real
+    cause, exit first and reports it (both exits would otherwise race by milliseconds).
+    """
+    exc = exc if exc is not None else sys.exc_info()[1]
+    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+    sys.stderr.write(text)
+    if os.environ.get(ERROR_FILE):
+        try:
+            with open(os.environ[ERROR_FILE], "w") as f:
+                f.write(text)
+        except OSError:
+            pass
+    if _lost_peer(exc):
+        sys.stderr.flush()
+        time.sleep(LOST_PEER_DELAY_S)
+    exit_now(code)
+
+
+def _user_frames(tb):
+    """`tb` without its leading frames in this runner and runpy, as `python script.py` shows."""
+    while tb is not None and tb.tb_next is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name == "<frozen runpy>" or name.endswith(os.sep + "runpy.py")
+                or os.path.abspath(name) == os.path.abspath(__file__)):
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def _lost_peer(exc: BaseException | None) -> bool:
+    """Does `exc` (or its cause/context) look like a collective that lost a peer?"""
+    seen = 0
+    while exc is not None and seen < 10:
+        if _LOST_PEER.search(str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+class PromptExit(SystemExit):
+    """The SystemExit that `prompt_sys_exit` raises: leaves at once if nothing catches it.
+
+    Python frees an uncaught SystemExit while no Python frame is running, just before the
+    interpreter's exit (and before atexit handlers, where JAX's waits for every peer); a
+    caught one is freed inside the frame that handled it. So an uncaught non-zero exit ends
+    the process right there with its own code, and a caught one changes nothing.
+    """
+
+    def __del__(self) -> None:
+        code = system_exit_code(self)
+        if code != 0 and sys._getframe().f_back is None:
+            exit_now(code)
+
+
+def prompt_sys_exit(status: object = None) -> NoReturn:
+    """`sys.exit` for a rank of a multi-process job: a non-zero exit does not wait for peers."""
+    raise PromptExit(status)
+
+
+def system_exit_code(exc: SystemExit) -> int:
+    """The status Python itself would exit with for an uncaught `exc` (0..255)."""
+    if exc.code is None:
+        return 0
+    return exc.code & 0xFF if isinstance(exc.code, int) else 1
 
 
 def guarded(target: Callable[[], object]) -> None:
@@ -55,66 +136,16 @@ def guarded(target: Callable[[], object]) -> None:
     try:
         target()
     except SystemExit as e:
-        code = _exit.system_exit_code(e)
+        code = system_exit_code(e)
         if code == 0:
             return
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)  # what Python prints for sys.exit("message")
-        _exit.exit_now(code)
+        exit_now(code)
     except KeyboardInterrupt:
-        _exit.report_failure(130)
+        report_failure(130)
     except BaseException:  # noqa: B036 - every failure must leave promptly
-        _exit.report_failure(1)
-
-
-def _run_script(argv: list) -> None:
-    """Run `argv[0]` as __main__ with `argv` as sys.argv, as `python script.py` would."""
-    path = argv[0]
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    runpy.run_path(path, run_name="__main__")
-
-
-def _run_module(argv: list) -> None:
-    """Run module `argv[0]` as __main__, as `python -m module` would."""
-    sys.argv = [argv[0], *argv[1:]]
-    sys.path.insert(0, os.getcwd())
-    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-
-
-def _run_spawned(payload: str) -> None:
-    """Run one `jdp.spawn` rank: the parent's sys.path and __main__, initialize, fn(rank, *args).
-
-    The payload holds two pickles: multiprocessing's preparation data (sys.path, cwd, how to
-    import the parent's __main__), then (fn, args). It is deleted as soon as it is read (it
-    holds the parent's authkey), once every rank has read it: the last reader removes it.
-    While it loads, JDP_SPAWN_BOOTSTRAP is set, so a `jdp.spawn` call at the top level of the
-    parent's script fails clearly.
-    """
-    import multiprocessing.spawn
-    os.environ[_env.SPAWN_BOOTSTRAP] = "1"
-    with open(payload, "rb") as f:
-        preparation = pickle.load(f)
-        data = f.read()
-    _mark_read(payload)
-    multiprocessing.spawn.prepare(preparation)
-    fn, args = pickle.loads(data)
-    del os.environ[_env.SPAWN_BOOTSTRAP]
-    from jdp.distributed import initialize
-    initialize()
-    fn(int(os.environ[_env.RANK]), *args)
-
-
-def _mark_read(payload: str) -> None:
-    """Leave a `read.RANK` mark beside the payload; the rank that completes the set deletes it."""
-    directory = os.path.dirname(payload)
-    open(os.path.join(directory, f"read.{os.environ[_env.RANK]}"), "w").close()
-    world = int(os.environ[_env.WORLD_SIZE])
-    if all(os.path.exists(os.path.join(directory, f"read.{r}")) for r in range(world)):
-        try:
-            os.unlink(payload)
-        except FileNotFoundError:
-            pass
+        report_failure(1)
 
 
 def die_with_supervisor() -> None:
@@ -124,7 +155,7 @@ def die_with_supervisor() -> None:
     multithreaded parent (JAX warns about it) instead of CPython's faster vfork. The setting
     survives exec, so --no_python programs get it too.
     """
-    parent = os.environ.pop(_env.SUPERVISOR_PID, None)
+    parent = os.environ.pop(SUPERVISOR_PID, None)
     if not parent or not sys.platform.startswith("linux"):
         return
     try:
@@ -143,31 +174,48 @@ def stacks_on_sigusr1() -> None:
     blocked anywhere, in a sleep, a lock or a collective, without the rank's cooperation.
     """
     global _stack_file
-    path = os.environ.get(_env.STACK_FILE)
-    if not path:
-        return
     try:
-        _stack_file = open(path, "w")
-    except OSError:
+        _stack_file = open(os.environ[STACK_FILE], "w")
+    except (KeyError, OSError):
         return
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+def _run_spawned(payload: str) -> None:
+    """A `jdp.spawn` rank: the parent's sys.path and __main__ (multiprocessing's recipe), then
+    `jdp.launch._spawn.run_rank`. While the parent's main is imported, JDP_SPAWN_BOOTSTRAP is
+    set, so a `jdp.spawn` call at its top level fails clearly."""
+    import multiprocessing.spawn
+    with open(payload, "rb") as f:
+        preparation = pickle.load(f)
+    os.environ[SPAWN_BOOTSTRAP] = "1"
+    multiprocessing.spawn.prepare(preparation)
+    del os.environ[SPAWN_BOOTSTRAP]
+    from jdp.launch._spawn import run_rank   # importable now: the parent's sys.path is ours
+    run_rank(payload)
 
 
 def main(argv: list) -> None:
     """Dispatch on the first argument: `--spawn PAYLOAD`, `--exec PROGRAM ...`, `-m MODULE ...`
     or `SCRIPT ...`."""
     die_with_supervisor()
-    if not argv:
+    if not argv or argv[0] in ("--exec", "--spawn", "-m") and len(argv) < 2:
         sys.exit("usage: _run.py [--spawn PAYLOAD | --exec PROGRAM | -m MODULE | SCRIPT] [ARGS]")
     if argv[0] == "--exec":
         os.execvp(argv[1], argv[1:])
     stacks_on_sigusr1()
     if argv[0] == "--spawn":
-        guarded(lambda: _run_spawned(argv[1]))
-    elif argv[0] == "-m":
-        guarded(lambda: _run_module(argv[1:]))
+        return guarded(lambda: _run_spawned(argv[1]))
+    argv = argv[1:] if argv[0] == "--" else argv
+    module = argv[0] == "-m"
+    sys.argv = argv[1:] if module else list(argv)
+    # The one sys.path edit in jdp, and why: run by path, sys.path[0] is this file's folder;
+    # the user's code expects what `python -m module` (the cwd) or `python script.py` puts there.
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
+    if module:
+        guarded(lambda: runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True))
     else:
-        guarded(lambda: _run_script(argv[1:] if argv[0] == "--" else argv))
+        guarded(lambda: runpy.run_path(sys.argv[0], run_name="__main__"))
 
 
 if __name__ == "__main__":

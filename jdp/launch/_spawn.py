@@ -1,4 +1,4 @@
-"""`jdp.spawn`: run `fn(rank, *args)` in N fresh processes, like `torch.multiprocessing.spawn`.
+"""`jdp.spawn`: run `fn(rank, *args)` in N fresh processes that form one job.
 
 The launcher's job from inside Python (a test, a notebook, a script that wants to own its
 processes): each rank is a fresh interpreter (never a fork: JAX is not fork-safe) with the
@@ -17,10 +17,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jdp.launch import _env, _exit, _net, _supervisor, _watchdog
+from jdp.launch import _env, _net, _supervisor
+from jdp.launch._outcome import Job, Outcome, State, report
 
 WHO = "jdp.spawn"
-RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
 
 
 class ProcessException(RuntimeError):
@@ -92,7 +92,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         with open(payload, "wb") as f:
             pickle.dump(_preparation_data(), f)
             f.write(_pickled(fn, args))
-        cmd = [sys.executable, "-u", RUNNER, "--spawn", payload]
+        cmd = [sys.executable, "-u", _supervisor.RUNNER, "--spawn", payload]
         port = _net.free_port()
         specs = [_supervisor.RankSpec(r, cmd, _rank_env(r, nprocs, port, tmp, devices_per_process))
                  for r in range(nprocs)]
@@ -151,32 +151,54 @@ def _pickled(fn: Callable, args: Sequence[Any]) -> bytes:
                         "not as a lambda or nested function") from None
 
 
-def _raise_for(outcome: _supervisor.Outcome, tmp: str, nprocs: int,
-               limits: _supervisor.Limits) -> None:
+def _raise_for(outcome: Outcome, tmp: str, nprocs: int, limits: _supervisor.Limits) -> None:
     """Turn a supervised run's outcome into a return or the right exception."""
-    if outcome.signal == signal.SIGINT:
+    state, detail = outcome.state, outcome.detail
+    text = report(outcome, Job(WHO, nprocs, progress_timeout_s=limits.progress_timeout_s))
+    if state is State.SIGNALED and detail.signal == signal.SIGINT:
         raise KeyboardInterrupt(f"{WHO}: SIGINT; stopped all {nprocs} processes")
-    if outcome.signal is not None:
-        signal.raise_signal(outcome.signal)   # as if we had not caught it: handler or death
-        name = signal.Signals(outcome.signal).name
-        raise ProcessExitedException(f"{WHO}: received {name}; stopped all {nprocs} processes",
-                                     -1, -outcome.signal)
-    if outcome.timed_out:
-        raise TimeoutError(f"{WHO}: processes still running after timeout={limits.timeout_s} "
-                           f"s; stopped all {nprocs}")
-    if outcome.stall is not None:
-        progress, stacks = outcome.stall
-        raise TimeoutError(_watchdog.report(WHO, progress, stacks, limits.progress_timeout_s)
-                           .replace("--progress_timeout", "progress_timeout"))
-    if outcome.failed_rank is None:
+    if state is State.SIGNALED:
+        signal.raise_signal(detail.signal)   # as if we had not caught it: handler or death
+        raise ProcessExitedException(text, -1, -detail.signal)
+    if state is State.TIMED_OUT:
+        raise TimeoutError(text.replace("the time limit", f"timeout={limits.timeout_s} s"))
+    if state is State.STALLED:
+        raise TimeoutError(text.replace("--progress_timeout", "progress_timeout"))
+    if state is not State.FAILED:
         return
-    rank, code = outcome.failed_rank, outcome.returncode
-    head = (f"{WHO}: rank {rank} of {nprocs} failed with "
-            f"{_exit.describe_exit(code)}; stopped the others")
-    path = os.path.join(tmp, f"error.{rank}")
+    head = text.splitlines()[0]
+    path = os.path.join(tmp, f"error.{detail.rank}")
     if os.path.exists(path):
         with open(path) as f:
-            text = f.read()
-        raise ProcessRaisedException(f"{head}. Its traceback:\n\n{text}", rank, code, text)
-    tail = "\n".join(outcome.tail) or "(nothing)"
-    raise ProcessExitedException(f"{head}. Last lines of its stderr:\n{tail}", rank, code)
+            trace = f.read()
+        raise ProcessRaisedException(f"{head} Its traceback:\n\n{trace}", detail.rank,
+                                     detail.returncode, trace)
+    raise ProcessExitedException(text, detail.rank, detail.returncode)
+
+
+def run_rank(payload: str) -> None:
+    """In a spawned rank (after `_run.py` imported the parent's main): initialize, fn(rank, *args).
+
+    The payload holds two pickles: multiprocessing's preparation data (read by `_run.py`),
+    then (fn, args). It is deleted as soon as every rank has read it (it holds the parent's
+    authkey): the last reader removes it.
+    """
+    from jdp.distributed import initialize
+    with open(payload, "rb") as f:
+        pickle.load(f)
+        fn, args = pickle.load(f)
+    _mark_read(payload)
+    initialize()
+    fn(int(os.environ[_env.RANK]), *args)
+
+
+def _mark_read(payload: str) -> None:
+    """Leave a `read.RANK` mark beside the payload; the rank that completes the set deletes it."""
+    directory = os.path.dirname(payload)
+    open(os.path.join(directory, f"read.{os.environ[_env.RANK]}"), "w").close()
+    world = int(os.environ[_env.WORLD_SIZE])
+    if all(os.path.exists(os.path.join(directory, f"read.{r}")) for r in range(world)):
+        try:
+            os.unlink(payload)
+        except FileNotFoundError:
+            pass

@@ -1,17 +1,15 @@
-"""The one supervise loop behind `jdp.launch` and `jdp.spawn`: start ranks, watch, fail fast.
+"""The one supervise loop behind `jdp.launch` and `jdp.spawn`: one round of one node's ranks.
 
 Every rank is a subprocess in its own session (process group), so a signal to the group
 reaches anything the rank started too. A waiter thread per rank reports its exit the moment
 it happens, in order (and a rank whose collective lost a peer lingers a moment before leaving,
-see jdp/_exit.py), so the failure reported is the first one, the cause, not its echo in the
-peers. On the first non-zero exit the loop stops every other rank (SIGTERM, SIGKILL after a
-short grace period) and reports the failed rank's exit code or signal and the tail of its
-stderr. With a progress timeout it also runs the watchdog (jdp/_watchdog.py) and stops a job
-that no longer moves. SIGTERM to the supervisor is a stop request (preemption): it is
+see `_run.report_failure`), so the failure reported is the first one, the cause, not its echo
+in the peers. On the first non-zero exit the loop stops every other rank (SIGTERM, SIGKILL
+after a short grace period). With a progress timeout it also runs the watchdog and stops a
+round that no longer moves. SIGTERM to the supervisor is a stop request (preemption): it is
 forwarded to every rank, which may save and leave within the stop grace period before
-SIGKILL; SIGINT is forwarded with the short grace. Ranks are started through jdp/_run.py,
-which on Linux sets PR_SET_PDEATHSIG, so a rank dies with the supervisor even if that is
-SIGKILLed.
+SIGKILL; SIGINT is forwarded with the short grace. Ranks run through `_run.py`, which on Linux
+sets PR_SET_PDEATHSIG, so a rank dies with the supervisor even if that is SIGKILLed.
 """
 from __future__ import annotations
 
@@ -29,8 +27,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from jdp.launch import _env, _exit, _malloc, _progress, _watchdog
+from jdp.launch import _env, _malloc, _progress, _watchdog
+from jdp.launch._outcome import Outcome, RankExit, Stall, State, Stop
 
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
 GRACE_S = 3.0        # SIGTERM -> SIGKILL after a failure; keeps "all gone" well under 5 s
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL after a stop request: time to save a checkpoint
 POLL_S = 0.05        # how often the loop looks at signals and deadlines
@@ -64,20 +64,6 @@ class Limits(NamedTuple):
     progress_timeout_s: float | None = None   # no rank making progress (the watchdog)
 
 
-class Outcome(NamedTuple):
-    """How a supervised run ended."""
-    failed_rank: int | None      # the first rank to exit non-zero; None if none did
-    returncode: int              # that rank's Popen return code (negative: killed by signal)
-    tail: list                   # last stderr lines of that rank
-    signal: int | None = None    # a signal that made the supervisor stop everything
-    timed_out: bool = False      # the run outlived its time limit and was stopped
-    seconds: float = 0.0         # from the start to the failure, signal or deadline
-    stall: tuple | None = None   # (every rank's RankProgress, rank -> stack dump): watchdog
-    stopped: bool = False        # stopped on request (the job-wide round ended elsewhere)
-    killed: tuple = ()           # ranks still running at the end of a stop grace period
-    codes: tuple = ()            # after a stop request: (rank, return code) of each rank
-
-
 class _Rank(NamedTuple):
     spec: RankSpec
     proc: subprocess.Popen
@@ -93,7 +79,7 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
     Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
     JDP_RESTART_COUNT and PYTHONUNBUFFERED=1; with `devices_per_process`, XLA_FLAGS gets
     --xla_force_host_platform_device_count=k (simulated CPU devices); glibc's allocator
-    settings of `jdp._malloc` unless JDP_MALLOC_TUNING=0 or the user set them. Variables
+    settings of `_malloc` unless JDP_MALLOC_TUNING=0 or the user set them. Variables
     meant for one supervisor's own ranks are dropped from `base`.
     """
     env = {k: v for k, v in base.items() if k not in _env.INTERNAL_VARS}
@@ -123,11 +109,10 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
         specs: one RankSpec per rank.
         output: where the ranks' stdout/stderr go.
         limits: grace periods, the run's time limit and the progress timeout.
-        stop: when set (by another thread), stop every rank and return (Outcome.stopped).
+        stop: when set (by another thread), stop every rank and return (State.STOPPED).
 
     Returns:
-        An Outcome: the first failed rank and its code, or the signal, deadline or stall that
-        ended it.
+        The Outcome: success, or the first failed rank, signal, deadline or stall that ended it.
     """
     received: list = []
     restore = _catch_signals(received)
@@ -150,7 +135,9 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
                 t.join(timeout=1.0)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-    return outcome._replace(tail=list(outcome.tail))
+    if outcome.state is State.FAILED:   # the pumps are done: the tail is complete
+        return outcome._replace(detail=outcome.detail._replace(tail=tuple(outcome.detail.tail)))
+    return outcome
 
 
 def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
@@ -165,11 +152,9 @@ def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
         if received:
             return _stop_requested(ranks, received, limits, now - start)
         if deadline is not None and now > deadline:
-            _stop(ranks, signal.SIGTERM, limits.grace_s)
-            return Outcome(None, 0, [], timed_out=True, seconds=now - start)
+            return Outcome(State.TIMED_OUT, now - start)
         if stop is not None and stop.is_set():
-            _stop(ranks, signal.SIGTERM, limits.grace_s)
-            return Outcome(None, 0, [], stopped=True, seconds=now - start)
+            return Outcome(State.STOPPED, now - start)
         progress = watchdog.stalled(now) if watchdog is not None else None
         if progress is not None:
             return _stalled(ranks, progress, limits, now - start)
@@ -184,8 +169,8 @@ def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
             failed = by_rank[rank]
             for t in failed.threads:
                 t.join(timeout=1.0)   # the rest of its stderr, for the tail
-            return Outcome(rank, code, failed.tail, seconds=seconds)
-    return Outcome(None, 0, [], seconds=time.monotonic() - start)
+            return Outcome(State.FAILED, seconds, RankExit(rank, code, failed.tail))
+    return Outcome(State.SUCCEEDED, time.monotonic() - start)
 
 
 def _stop_requested(ranks: list, received: list, limits: Limits, seconds: float) -> Outcome:
@@ -205,7 +190,7 @@ def _stop_requested(ranks: list, received: list, limits: Limits, seconds: float)
     killed = tuple(r.spec.rank for r in _alive(ranks))
     _stop(ranks, sig, limits.grace_s if len(received) > 1 else 0.0)
     codes = tuple((r.spec.rank, r.proc.returncode) for r in ranks)
-    return Outcome(None, 0, [], signal=sig, seconds=seconds, killed=killed, codes=codes)
+    return Outcome(State.SIGNALED, seconds, Stop(sig, grace, killed, codes))
 
 
 def _stalled(ranks: list, progress: list, limits: Limits, seconds: float) -> Outcome:
@@ -216,8 +201,7 @@ def _stalled(ranks: list, progress: list, limits: Limits, seconds: float) -> Out
             if by_rank[p.rank].proc.returncode is None}
     stacks = _watchdog.dump_stacks(pids, {rank: _stack_path(by_rank[rank].spec.env)
                                           for rank in pids})
-    _stop(ranks, signal.SIGTERM, limits.grace_s)
-    return Outcome(None, 0, [], seconds=seconds, stall=(progress, stacks))
+    return Outcome(State.STALLED, seconds, Stall(progress, stacks))
 
 
 def _alive(ranks: list) -> list:
@@ -247,7 +231,7 @@ def _start(spec: RankSpec, output: Output, events: queue.Queue, workdir: str | N
     """Start one rank in its own session with piped output, plus its pump and waiter threads."""
     files = _open_logs(output, spec.rank)
     env = {**spec.env, **_watch_files(workdir, spec.rank),
-           _env.SUPERVISOR_PID: str(os.getpid())}   # jdp/_run.py: die with us
+           _env.SUPERVISOR_PID: str(os.getpid())}   # _run.py: die with us
     spec = spec._replace(env=env)
     proc = subprocess.Popen(list(spec.cmd), env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -347,17 +331,3 @@ def _catch_signals(received: list):
         for s, handler in previous.items():
             signal.signal(s, handler)
     return restore
-
-
-def summary(outcome: Outcome, who: str, world: int) -> str:
-    """Multi-line report of a failed run: rank, code or signal, and its stderr tail."""
-    lines = [f"{who}: rank {outcome.failed_rank} failed with "
-             f"{_exit.describe_exit(outcome.returncode)} after {outcome.seconds:.1f} s; "
-             f"stopped the other {world - 1} rank(s)."]
-    if outcome.tail:
-        lines.append(f"{who}: last {len(outcome.tail)} line(s) of rank {outcome.failed_rank}'s "
-                     "stderr:")
-        lines += [f"  {line}" for line in outcome.tail]
-    else:
-        lines.append(f"{who}: rank {outcome.failed_rank} wrote nothing to stderr.")
-    return "\n".join(lines)

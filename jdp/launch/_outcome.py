@@ -1,0 +1,124 @@
+"""How a round of ranks ended, as one tagged type, and the one text that reports it.
+
+A supervised round ends in exactly one way (`State`); the detail that goes with it is a
+`RankExit`, a `Stall` or a `Stop`, never a mix. `report` turns any outcome into the lines the
+launcher prints (and `jdp.spawn` raises), and `exit_status` into the launcher's exit status.
+"""
+from __future__ import annotations
+
+import enum
+import signal
+from typing import NamedTuple
+
+from jdp.launch import _watchdog
+
+EXIT_STALLED = 124   # the progress watchdog stopped the job (as coreutils' `timeout`)
+
+
+class State(enum.Enum):
+    """How a round ended."""
+    SUCCEEDED = "succeeded"   # every rank exited 0
+    FAILED = "failed"         # a rank exited non-zero or died by a signal (detail: RankExit)
+    STALLED = "stalled"       # no rank made progress for the progress timeout (detail: Stall)
+    SIGNALED = "signaled"     # the supervisor received SIGINT/SIGTERM (detail: Stop)
+    STOPPED = "stopped"       # stopped on request: another node ended the round
+    TIMED_OUT = "timed out"   # the round outlived its time limit
+
+
+class RankExit(NamedTuple):
+    """The first rank to fail: its Popen return code (negative: killed by that signal)."""
+    rank: int
+    returncode: int
+    tail: tuple          # the last lines of its stderr
+
+
+class Stall(NamedTuple):
+    """What the watchdog saw: every rank's RankProgress, and rank -> stack dump."""
+    progress: list
+    stacks: dict
+
+
+class Stop(NamedTuple):
+    """A signal to the supervisor, forwarded to every rank."""
+    signal: int
+    grace_s: float       # how long the ranks had to leave
+    killed: tuple        # ranks still running when the grace period ended
+    codes: tuple         # (rank, return code) of every rank
+
+
+class Outcome(NamedTuple):
+    """How a supervised round ended, after `seconds`."""
+    state: State
+    seconds: float = 0.0
+    detail: RankExit | Stall | Stop | None = None
+
+
+class Job(NamedTuple):
+    """Who speaks and about what, for the reports."""
+    who: str                      # "jdp.launch" or "jdp.spawn"
+    world: int                    # processes in the job
+    nnodes: int = 1
+    node: int = 0                 # the node the outcome comes from
+    progress_timeout_s: float | None = None
+
+
+def exit_status(outcome: Outcome) -> int:
+    """The launcher's exit status: 0, the failed rank's status, 124 (stall, time limit),
+    or 128+N after signal N."""
+    detail = outcome.detail
+    if outcome.state is State.FAILED:
+        return describe_status(detail.returncode)
+    if outcome.state is State.SIGNALED:
+        return 128 + detail.signal
+    return EXIT_STALLED if outcome.state in (State.STALLED, State.TIMED_OUT) else 0
+
+
+def describe_status(returncode: int) -> int:
+    """A shell-style exit status from a Popen return code: the code, or 128+N for signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """'exit code 3' or 'signal SIGKILL (exit status 137)', from a Popen return code."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"signal {name} (exit status {describe_status(returncode)})"
+
+
+def report(outcome: Outcome, job: Job) -> str:
+    """The lines that say how a round ended (empty for success or a requested stop)."""
+    who, d = job.who, outcome.detail
+    everyone = f"all {job.world} processes" + (f" on {job.nnodes} nodes" if job.nnodes > 1 else "")
+    if outcome.state is State.FAILED:
+        where = f" on node {job.node}" if job.nnodes > 1 else f" of {job.world}"
+        lines = [f"{who}: rank {d.rank}{where} failed with {describe_exit(d.returncode)} after "
+                 f"{outcome.seconds:.1f} s; stopped {everyone}."]
+        lines.append(f"{who}: last {len(d.tail)} line(s) of rank {d.rank}'s stderr:" if d.tail
+                     else f"{who}: rank {d.rank} wrote nothing to stderr.")
+        return "\n".join(lines + [f"  {line}" for line in d.tail])
+    if outcome.state is State.STALLED:
+        return (f"{_watchdog.report(who, d.progress, d.stacks, job.progress_timeout_s)}\n"
+                f"{who}: stopped {everyone} after {outcome.seconds:.1f} s "
+                f"(exit status {EXIT_STALLED}).")
+    if outcome.state is State.SIGNALED:
+        return _stopped(d, who + (f" (node {job.node})" if job.nnodes > 1 else ""))
+    if outcome.state is State.TIMED_OUT:
+        return f"{who}: processes still running after the time limit; stopped {everyone}."
+    return ""
+
+
+def _stopped(stop: Stop, who: str) -> str:
+    """After SIGINT/SIGTERM to the supervisor: how each rank ended, or who was killed."""
+    name = signal.Signals(stop.signal).name
+    if stop.killed:
+        return (f"{who}: received {name}; passed it on; rank(s) "
+                f"{', '.join(map(str, stop.killed))} still ran {stop.grace_s:g} s later and "
+                "were killed (--stop_grace).")
+    ended = ", ".join(f"rank {rank} {describe_exit(code)}" for rank, code in stop.codes
+                      if code is not None)
+    return (f"{who}: received {name}; passed it on; all {len(stop.codes)} process(es) have "
+            f"stopped ({ended}).")
