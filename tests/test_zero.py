@@ -44,7 +44,7 @@ def zero_steps(tx, batches, loss=scaled_mse, **options):
                           shard_optimizer=True)
     step = jdp.train_step(loss, shard_optimizer=True, **options)
     for b in batches:
-        state, metrics = step(state, jdp.shard(b, layout="global"))
+        state, metrics = step(state, jdp.shard(b))
     return state, metrics
 
 
@@ -90,7 +90,7 @@ def test_batchnorm_and_aux_with_sharded_optimizer():
 
     state = jdp.broadcast(state0, shard_optimizer=True)
     step = jdp.train_step(loss, has_aux=True, shard_optimizer=True)
-    state, metrics = step(state, jdp.shard(batch, layout="global"))
+    state, metrics = step(state, jdp.shard(batch))
     assert_tree_close(jax.device_get(state.params), ref_params, rtol=1e-5, atol=1e-6)
     assert_tree_close(jax.device_get(state.model_state), ref_stats, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(metrics["twice"]), 2 * float(metrics["loss"]), rtol=1e-6)
@@ -124,7 +124,7 @@ def test_sharded_step_reduce_scatters_and_all_gathers_instead_of_all_reducing():
     def loss(p, batch):
         return jnp.mean((batch["x"] @ p["w"] + p["b"]) ** 2)
 
-    batch = jdp.shard({"x": np.ones((N * 2, 64), np.float32)}, layout="global")
+    batch = jdp.shard({"x": np.ones((N * 2, 64), np.float32)})
     hlo = jdp.train_step(loss, shard_optimizer=True).lower(state, batch).compile().as_text()
     found = collective_bytes(hlo)
     assert found.get("reduce-scatter", 0) >= (64 * 32 + 32) * 4 // N
@@ -137,11 +137,52 @@ def test_a_replicated_optimizer_state_with_shard_optimizer_is_named():
                                                 tx=optax.adam(1e-2)))
     with pytest.raises(ValueError, match=r"broadcast\(state, shard_optimizer=True\)"):
         jdp.train_step(scaled_mse, shard_optimizer=True)(
-            state, jdp.shard(data(N * 2), layout="global"))
+            state, jdp.shard(data(N * 2)))
 
 
-def test_shard_optimizer_on_the_pmap_layout_is_named():
-    state = jdp.replicate(jdp.TrainState.create(apply_fn=None, params=odd_params(),
-                                                tx=optax.adam(1e-2)))
-    with pytest.raises(ValueError, match="shard_optimizer=True needs the global layout"):
+def test_a_pmap_form_state_with_shard_optimizer_is_named():
+    state = jdp.pmap.replicate(jdp.TrainState.create(apply_fn=None, params=odd_params(),
+                                                     tx=optax.adam(1e-2)))
+    with pytest.raises(ValueError, match=r"not replicated on jdp.mesh\(\): place the state with "
+                                         r"jdp.broadcast\(state\).*jdp.pmap.train_step"):
         jdp.train_step(scaled_mse, shard_optimizer=True)(state, jdp.shard(data(N * 2)))
+
+
+def test_the_pmap_form_has_no_shard_optimizer():
+    with pytest.raises(TypeError, match="shard_optimizer"):
+        jdp.pmap.train_step(scaled_mse, shard_optimizer=True)
+
+
+def test_a_sharded_optimizer_state_with_a_plain_step_is_named():
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=odd_params(),
+                                                tx=optax.adam(1e-2)), shard_optimizer=True)
+    with pytest.raises(ValueError, match=r"optimizer state is sharded .*pass "
+                                         r"shard_optimizer=True to the step too"):
+        jdp.train_step(scaled_mse)(state, jdp.shard(data(N * 2)))
+
+
+def test_unshard_gives_the_optimizer_state_of_unsharded_training():
+    """2 Adam steps with and without ZeRO on the same data: the gathered optimizer state is the
+    replicated one, unpadded, in the model's shapes, replicated on every device."""
+    tx, batches = optax.adam(1e-2), [data(N * 4, seed=s) for s in range(2)]
+    zero, _ = zero_steps(tx, batches)
+    plain = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=odd_params(), tx=tx))
+    step = jdp.train_step(scaled_mse)
+    for b in batches:
+        plain, _ = step(plain, jdp.shard(b))
+    whole = jdp.unshard(zero)
+    assert jax.tree.structure(whole.opt_state) == jax.tree.structure(plain.opt_state)
+    for got, want in zip(jax.tree.leaves(whole.opt_state), jax.tree.leaves(plain.opt_state),
+                         strict=True):
+        assert got.shape == want.shape and got.sharding.is_fully_replicated
+    assert_tree_close(jax.device_get(whole.opt_state), jax.device_get(plain.opt_state),
+                      rtol=1e-5, atol=1e-7)
+    assert int(whole.opt_state[0].count) == 2
+    assert_tree_close(jax.device_get(whole.params), jax.device_get(plain.params),
+                      rtol=1e-5, atol=1e-6)
+
+
+def test_unshard_of_a_replicated_state_returns_it_as_it_is():
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=odd_params(),
+                                                tx=optax.adam(1e-2)))
+    assert jdp.unshard(state) is state
