@@ -1,8 +1,8 @@
-"""The launcher: `python -m jdp.launch` / `jdp-launch`, jdp's torchrun.
+"""The launcher's command line: `python -m jdp.launch` / `jdp-launch`.
 
-It starts one process per local rank with the environment `jdp.initialize()` reads, copies
-their output (prefixed with the rank, or into per-rank log files), and stops every rank as soon
-as one fails, exiting with that rank's own exit code. The help text below is the manual.
+It parses and checks the arguments (bad ones exit 2 before anything starts), then runs the job
+in rounds (`_rounds`), each round one `_supervisor.run` of this node's ranks. The help text
+below is the manual; docs/launch.md and docs/faults.md tell the longer story.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ WHO = "jdp.launch"
 
 DESCRIPTION = """\
 Start N processes of a training script on this node, one per GPU (or per group of simulated
-CPU devices), as torchrun does, and watch them.
+CPU devices), and watch them.
 
   python -m jdp.launch --nproc_per_node 4 train.py --epochs 3
   jdp-launch --nnodes 2 --node_rank 0 --master_addr 10.0.0.1 --master_port 29500 \\
@@ -40,63 +40,41 @@ environment of each process:
   LOCAL_WORLD_SIZE   nproc_per_node
   NODE_RANK          --node_rank
   MASTER_ADDR        --master_addr: where process 0 runs its coordinator
-  MASTER_PORT        --master_port, or a free port chosen here on a single node
-  JDP_RESTART_COUNT  0 on the first attempt, k on the k-th restart (--max_restarts)
+  MASTER_PORT        --master_port, or a free port chosen here (fresh each round) on one node
+  JDP_RESTART_COUNT  the round: 0 on the first attempt, k on the k-th restart
   PYTHONUNBUFFERED   1, so output arrives line by line
   XLA_FLAGS          with --devices_per_process k: --xla_force_host_platform_device_count=k
-  JAX_COMPILATION_CACHE_DIR  see "compilation cache" below
+  JAX_COMPILATION_CACHE_DIR  shared by all processes, so a restart loads its compiled steps:
+                     DIR/compilation_cache with --logdir DIR, else a temporary directory
+                     removed at exit; set it yourself to keep one, or --compilation_cache off
   jdp.initialize also reads JDP_INIT_TIMEOUT (60), JDP_HEARTBEAT_TIMEOUT (30) and
   JDP_SHUTDOWN_TIMEOUT (300) seconds from the environment you launch with.
 
-output:
-  Without --logdir, each line a process writes is printed here prefixed with its rank
-  ("[rank1]: ..."): stdout to stdout, stderr to stderr. With --logdir DIR it also goes to
-  DIR/rank.K/stdout and DIR/rank.K/stderr (K = global rank; restarts append to them), and
-  with --redirect_stdout_and_stderr only there.
+output: each line a process writes is printed here prefixed with its rank ("[rank1]: ...");
+  with --logdir DIR also in DIR/rank.K/stdout and stderr (restarts append), and with
+  --redirect_stdout_and_stderr only there.
 
-failures:
-  When a process exits with a non-zero code or dies by a signal, all others are stopped at
-  once (SIGTERM, then SIGKILL 3 s later). The launcher then prints which rank failed, with
-  its exit code or signal and the last 20 lines of its stderr, and exits with that rank's
-  exit code (128+N for death by signal N). Python scripts run through a small wrapper that
-  makes a failing rank exit at once with its own code (JAX's exit handler would otherwise
-  wait for the other ranks). Every process also dies if the launcher is killed (Linux).
+failures: when a process exits non-zero or dies by a signal, every process of the job is
+  stopped at once (SIGTERM, SIGKILL 3 s later); the launcher names the rank, its exit code or
+  signal and the last 20 lines of its stderr, and exits with that rank's status (128+N for
+  signal N). Every process also dies if the launcher is killed (Linux).
 
-stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S):
-  jdp's train_step, eval_step, Loader and Checkpointer record each rank's progress (steps run
-  and phase: step, data, eval, checkpoint) in a memory-mapped file the launcher reads. Once a
-  rank has recorded anything (start-up and the first compilation are not timed), S seconds
-  without progress on any rank stop the job: the launcher names the ranks behind ("rank 1
-  stuck at step 5 in phase data; rank 0 waiting at step 6"), prints their Python stacks
-  (faulthandler, through SIGUSR1), stops every rank and exits with status 124 (after
-  --max_restarts restarts, like any failure). Off by default.
+rounds (--max_restarts K, --nnodes M): a job runs in rounds; after a failure all processes
+  of every node start again together (1 s later), up to K times. Node 0's launcher keeps the
+  rounds (on --rdzv_port when M > 1); every launcher prints the same summary of a round's
+  first failure. A launcher that vanishes counts as a failure of its node; the next round
+  waits (up to 300 s) for a launcher of that node to connect.
 
-stop requests (preemption):
-  SIGTERM to the launcher is forwarded to every rank. A script whose loop asks
-  jdp.preempted() catches it: every rank sees preempted() turn True at the same step, saves
-  a checkpoint there and leaves. Ranks still running --stop_grace seconds later (default 30,
-  or JDP_STOP_GRACE) are killed. The launcher then exits with 143 (128+15) and does not
-  restart. SIGTERM sent to a single rank stops the whole job the same way; the launcher
-  exits 0 when every rank then exits 0. SIGINT (Ctrl-C) is forwarded, SIGKILL after 3 s.
+stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S): jdp's steps, Loader and
+  Checkpointer record each rank's progress; once any rank recorded some, S seconds without
+  progress on every rank stop the job: the ranks behind are named with their Python stacks,
+  and the launcher exits 124 (after the restarts, like any failure).
 
-restarts (--max_restarts K) and several nodes:
-  After a failure every process is stopped and all are started again, up to K times, with
-  JDP_RESTART_COUNT set to the round. With --nnodes > 1, node 0's launcher keeps the rounds
-  for the whole job on --rdzv_port (default MASTER_PORT+1, on --master_addr; no other
-  service to run): a failure on any node stops the processes of every node at once, and
-  all nodes start round k together after a 1 s backoff. Every launcher prints the same
-  summary of the round's first failure (rank, node, exit code or signal, stderr tail); the
-  other ranks' messages stay in their logs. A launcher that vanishes counts as a failure of
-  its node; the next round waits (up to 300 s) for a launcher of that node to connect.
-
-compilation cache:
-  The processes share JAX's persistent compilation cache, so a restarted process loads its
-  compiled steps instead of compiling again: JAX_COMPILATION_CACHE_DIR is set to
-  DIR/compilation_cache with --logdir DIR, else to a temporary directory that lives as long
-  as the launcher (kept across restarts, removed at exit). Entries are cached whatever their
-  compile time. Set JAX_COMPILATION_CACHE_DIR yourself to choose (and keep) the directory,
-  or pass --compilation_cache off. JAX writes entries from process 0 only, so in a job of
-  several processes the others still compile their own programs.
+stop requests (preemption): SIGTERM to the launcher is forwarded to every rank; a loop that
+  asks jdp.preempted() sees it at the same step on every rank, saves and leaves. Ranks still
+  running --stop_grace S later (default 30, or JDP_STOP_GRACE) are killed; the launcher exits
+  143 and does not restart. SIGTERM to one rank stops the whole job the same way (exit 0 when
+  every rank then exits 0). SIGINT is forwarded, SIGKILL after 3 s.
 
 exit status: 0 when every process exits 0; the failed rank's status; 124 when the progress
 watchdog stopped the job; 128+N after signal N to the launcher; 2 for bad arguments.
