@@ -46,7 +46,7 @@ def main(data_path, out_path, steps):
     jdp.initialize()
     data = np.load(data_path)
     params = {k: jnp.asarray(data[k]) for k in PARAMS}
-    state = jdp.replicate(jdp.TrainState.create(apply_fn=None, params=params,
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params,
                                                 tx=optax.sgd(LR, momentum=MOMENTUM)))
     source = {"image": data["image"], "label": data["label"].astype(np.int32)}
     sampler = jdp.data.DistributedSampler(len(data["label"]), shuffle=False)
@@ -54,7 +54,7 @@ def main(data_path, out_path, steps):
     step, losses = jdp.train_step(loss_fn), []
     for batch in loader:
         state, metrics = step(state, batch)
-        losses.append(float(jdp.unreplicate(metrics)["loss"]))
+        losses.append(float(metrics["loss"]))
         if len(losses) == steps:
             break
     if jdp.is_primary():
