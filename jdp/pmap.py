@@ -194,14 +194,14 @@ def _where(x: Any) -> str:
 
 
 def _stacked_leaf(x: jax.Array) -> bool:
-    """Placed by this module (`LOCAL_AXIS`), or returned by a pmap step: the local devices
-    split along `AXIS`, one row each (a mesh of this process's devices alone)."""
+    """Placed by this module (`LOCAL_AXIS`), or returned by a pmap (jdp's or one written by
+    hand): the local devices, one row each, split along the leading axis."""
     spec = getattr(x.sharding, "spec", None)
-    if not x.ndim or not spec:
+    if not x.ndim or not spec or spec[0] is None:
         return False
     n = jax.local_device_count()
-    return spec[0] == LOCAL_AXIS or (spec[0] == AXIS and x.shape[0] == n
-                                      and x.sharding.mesh.size == n)
+    return spec[0] == LOCAL_AXIS or (x.shape[0] == n and x.sharding.mesh.size == n and (
+        jax.process_count() == 1 or x.sharding.mesh != _mesh.mesh()))
 
 
 def is_stacked(tree: Any) -> bool:

@@ -142,9 +142,6 @@ def test_reusing_a_donated_state_is_a_python_error_not_a_crash():
         step(state, batch)
 
 
-@pytest.mark.xfail(strict=True, reason="jdp/core/_checks.global_batch tells a stacked batch "
-                   "from a global one by its device set only, which is the same on one process: "
-                   "a Loader(layout='pmap') batch [8, 2, ...] is taken as a global batch of 8")
 def test_a_pmap_batch_with_a_global_state_is_named():
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=mlp_params(),
                                                 tx=optax.sgd(0.1)))

@@ -49,8 +49,6 @@ def test_unreplicate_of_a_global_tree_returns_it_unchanged():
                                   np.arange(6.0).reshape(3, 2))
 
 
-@pytest.mark.xfail(strict=True, reason="jdp.pmap._stacked_leaf knows only its own axis names "
-                   "(LOCAL_AXIS, jdp.AXIS): a user's jax.pmap output comes back unchanged")
 def test_unreplicate_of_a_hand_written_pmap_output_takes_device_0():
     out = jax.pmap(lambda x: x * 2, axis_name="devices")(np.arange(N * 3.0).reshape(N, 3))
     np.testing.assert_array_equal(np.asarray(jdp.unreplicate({"w": out})["w"]),

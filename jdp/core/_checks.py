@@ -98,6 +98,12 @@ def _row_sharded(x: jax.Array) -> bool:
     return tuple(getattr(x.sharding, "spec", ()))[:1] == (_mesh.AXIS,)
 
 
+def _on_mesh(x: jax.Array) -> bool:
+    """On `jdp.mesh()`'s devices, and on the mesh itself where the sharding names one."""
+    mesh = getattr(x.sharding, "mesh", None)
+    return x.sharding.device_set == _mesh_devices() and (mesh is None or mesh == _mesh.mesh())
+
+
 def _mesh_devices() -> set:
     return set(_mesh.mesh().devices.flat)
 
@@ -117,7 +123,7 @@ def global_batch(tree: Any, accum_steps: int) -> None:
     n, size, first = jax.device_count(), None, None
     for path, x in leaves:
         shape = jnp.shape(x)
-        if isinstance(x, jax.Array) and x.ndim and x.sharding.device_set != _mesh_devices():
+        if isinstance(x, jax.Array) and x.ndim and not _on_mesh(x):
             raise ValueError(f"batch leaf {name(path)} is {_where(x)}, not a global batch on "
                              "jdp.mesh(): make batches with jdp.shard(rows) or jdp.data.Loader "
                              "(pmap-form batches [local_devices, ...] go with jdp.pmap.train_step)")
