@@ -37,7 +37,7 @@ class _RankFilter(logging.Filter):
 
 def get_logger(name: str = "jdp", level: int = logging.INFO,
                all_ranks: bool = False) -> logging.Logger:
-    """A logger whose lines carry the rank, INFO from process 0 only (like accelerate's).
+    """A logger whose lines carry the rank, INFO from process 0 only.
 
     Safe to create at import time, before `initialize`: the rank is looked up per record.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jdp.launch._run import ERROR_FILE, SPAWN_BOOTSTRAP, STACK_FILE, SUPERVISOR_PID
 
-# torchrun's variables, in the order rank_env fills them.
+# The variables that place a rank in its job, in the order rank_env fills them.
 RANK = "RANK"
 LOCAL_RANK = "LOCAL_RANK"
 WORLD_SIZE = "WORLD_SIZE"

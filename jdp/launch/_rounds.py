@@ -3,9 +3,9 @@
 A job runs in rounds. Round r starts the ranks of every node (JDP_RESTART_COUNT=r); the first
 failure anywhere stops the round on every node at once (a half-restarted job would end in
 JAX's "different incarnation" aborts); while restarts are left, every node starts round r+1
-together after a short backoff. Node 0's launcher keeps the rounds (the *keeper*, a thread)
-and every launcher, node 0's included, is its client over one connection of JSON lines: node
-0's over a socket pair, the others' over TCP to MASTER_ADDR at --rdzv_port.
+together (after a 1 s backoff with several nodes). Node 0's launcher keeps the rounds (the
+*keeper*, a thread) and every launcher, node 0's included, is its client over one connection
+of JSON lines: node 0's over a socket pair, the others' over TCP to MASTER_ADDR:--rdzv_port.
 
     launcher -> keeper   {"node": k}                                  once, on connecting
     keeper -> launchers  {"start": r, "report": text | null}          start round r
@@ -129,7 +129,7 @@ class Keeper:
                 first, signaled = self._round(r)
                 if first is None or signaled or r == self.max_restarts:
                     break
-                time.sleep(BACKOFF_S)
+                time.sleep(BACKOFF_S if self.nnodes > 1 else 0.0)   # every node's ranks gone
             self._broadcast({"exit": first["status"] if first else 0,
                              "report": first and first["report"]})
         except TimeoutError as e:

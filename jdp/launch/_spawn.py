@@ -132,9 +132,8 @@ def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
 def _preparation_data() -> dict:
     """What a new process needs to look like this one: sys.path, cwd, how to import __main__.
 
-    multiprocessing's own recipe, so `fn` may live in the main script as with
-    `torch.multiprocessing.spawn`. The authkey is a plain bytes copy: multiprocessing refuses to
-    pickle its wrapper outside its own process start-up.
+    multiprocessing's own recipe, so `fn` may live in the main script. The authkey is a plain
+    bytes copy: multiprocessing refuses to pickle its wrapper outside its own process start-up.
     """
     data = multiprocessing.spawn.get_preparation_data(WHO)
     data["authkey"] = bytes(data["authkey"])

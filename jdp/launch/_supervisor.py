@@ -64,6 +64,9 @@ class Limits(NamedTuple):
     progress_timeout_s: float | None = None   # no rank making progress (the watchdog)
 
 
+CONSOLE, DEFAULT_LIMITS = Output(), Limits()   # console only; default clocks, no watchdog
+
+
 class _Rank(NamedTuple):
     spec: RankSpec
     proc: subprocess.Popen
@@ -74,7 +77,7 @@ class _Rank(NamedTuple):
 def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,
              local_world_size: int, node_rank: int, master_addr: str, master_port: int,
              restart_count: int = 0, devices_per_process: int | None = None) -> dict:
-    """The environment of one rank: `base` plus the torchrun-style variables jdp.initialize reads.
+    """The environment of one rank: `base` plus the variables `jdp.initialize` reads.
 
     Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
     JDP_RESTART_COUNT and PYTHONUNBUFFERED=1; with `devices_per_process`, XLA_FLAGS gets
@@ -92,11 +95,6 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
         env["XLA_FLAGS"] = " ".join([*flags, f"{_HOST_DEVICES}={devices_per_process}"])
     return _malloc.child_env(env)
 
-
-CONSOLE = Output()
-"""Ranks' output on the console only (the default)."""
-DEFAULT_LIMITS = Limits()
-"""Short grace after failures, 30 s stop grace, no time limit, no watchdog."""
 
 
 def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DEFAULT_LIMITS,

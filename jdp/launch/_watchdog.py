@@ -1,6 +1,6 @@
 """The supervisor's progress watchdog: notice a job that stopped moving, and say who is behind.
 
-Each rank writes its progress into a slot file (jdp/_progress.py); the watchdog reads every
+Each rank writes its progress into a slot file (`_progress`); the watchdog reads every
 slot about twice a second and remembers, by its own clock, when each slot last changed. When no
 rank has moved for `timeout_s`, the job is stuck: a rank blocked outside a collective (a hung
 read, a deadlock, a `time.sleep`) leaves its peers waiting inside the next collective, so the
