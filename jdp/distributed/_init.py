@@ -92,6 +92,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         RuntimeError: called after JAX started its backend, or again for a different job.
 
     Example:
+        >>> import jdp
         >>> jdp.initialize()     # one process, no launcher: returns quietly
         >>> jax.process_count()  # under `python -m jdp.launch --nproc_per_node 2 ...`: 2
         1
@@ -304,6 +305,7 @@ def shutdown() -> None:
     cannot be initialised again in this process.
 
     Example:
+        >>> import jdp
         >>> jdp.shutdown()
     """
     hook = sys.excepthook
@@ -325,6 +327,7 @@ def barrier(name: str = "jdp.barrier", timeout_s: float = 300.0) -> None:
         timeout_s: seconds to wait for the slowest process.
 
     Example:
+        >>> import jdp
         >>> if jdp.is_primary():
         ...     print("preparing the dataset")   # one process writes, the others wait
         preparing the dataset

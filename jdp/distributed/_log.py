@@ -14,6 +14,7 @@ def print0(*args: Any, **kwargs: Any) -> None:
     """`print` on process 0 only (flushed), so a message appears once per job.
 
     Example:
+        >>> import jdp
         >>> epoch, loss = 1, 0.25
         >>> jdp.print0(f"epoch {epoch}: loss {loss:.3f}")   # printed by process 0 only
         epoch 1: loss 0.250
@@ -48,6 +49,7 @@ def get_logger(name: str = "jdp", level: int = logging.INFO,
             always come from every process).
 
     Example:
+        >>> import jdp
         >>> log = jdp.get_logger("train")
         >>> log.info("step %d loss %.3f", 10, 0.25)  # stderr: "... [rank0] INFO train: step 10"
     """

@@ -13,6 +13,7 @@ from typing import NamedTuple
 from jdp.launch import _watchdog
 
 EXIT_STALLED = 124   # the progress watchdog stopped the job (as coreutils' `timeout`)
+_STACK_LINES = 40    # lines of one rank's stack dump in a report
 
 
 class State(enum.Enum):
@@ -67,13 +68,13 @@ def exit_status(outcome: Outcome) -> int:
     or 128+N after signal N."""
     detail = outcome.detail
     if outcome.state is State.FAILED:
-        return describe_status(detail.returncode)
+        return shell_status(detail.returncode)
     if outcome.state is State.SIGNALED:
         return 128 + detail.signal
     return EXIT_STALLED if outcome.state in (State.STALLED, State.TIMED_OUT) else 0
 
 
-def describe_status(returncode: int) -> int:
+def shell_status(returncode: int) -> int:
     """A shell-style exit status from a Popen return code: the code, or 128+N for signal N."""
     return 128 - returncode if returncode < 0 else returncode
 
@@ -86,7 +87,7 @@ def describe_exit(returncode: int) -> str:
         name = signal.Signals(-returncode).name
     except ValueError:
         name = str(-returncode)
-    return f"signal {name} (exit status {describe_status(returncode)})"
+    return f"signal {name} (exit status {shell_status(returncode)})"
 
 
 def report(outcome: Outcome, job: Job) -> str:
@@ -101,14 +102,26 @@ def report(outcome: Outcome, job: Job) -> str:
                      else f"{who}: rank {d.rank} wrote nothing to stderr.")
         return "\n".join(lines + [f"  {line}" for line in d.tail])
     if outcome.state is State.STALLED:
-        return (f"{_watchdog.report(who, d.progress, d.stacks, job.progress_timeout_s)}\n"
-                f"{who}: stopped {everyone} after {outcome.seconds:.1f} s "
-                f"(exit status {EXIT_STALLED}).")
+        return (f"{_stalled(d, who, job.progress_timeout_s)}\n{who}: stopped {everyone} after "
+                f"{outcome.seconds:.1f} s (exit status {EXIT_STALLED}).")
     if outcome.state is State.SIGNALED:
         return _stopped(d, who + (f" (node {job.node})" if job.nnodes > 1 else ""))
     if outcome.state is State.TIMED_OUT:
         return f"{who}: processes still running after the time limit; stopped {everyone}."
     return ""
+
+
+def _stalled(stall: Stall, who: str, timeout_s: float) -> str:
+    """Who is behind, their stacks (the first few), where the rest went."""
+    lines = [f"{who}: no rank made progress for {timeout_s:g} s (--progress_timeout): "
+             f"{_watchdog.describe(stall.progress)}."]
+    for rank in sorted(stall.stacks)[:_watchdog.MAX_STACKS]:
+        dump = stall.stacks[rank].rstrip("\n").splitlines()
+        lines.append(f"{who}: Python stack of rank {rank} (most recent call first):")
+        lines += [f"  {line}" for line in dump[:_STACK_LINES]]
+        if len(dump) > _STACK_LINES:
+            lines.append(f"  ... {len(dump) - _STACK_LINES} more line(s)")
+    return "\n".join(lines)
 
 
 def _stopped(stop: Stop, who: str) -> str:

@@ -182,7 +182,7 @@ def stacks_on_sigusr1() -> None:
 
 
 def _run_spawned(payload: str) -> None:
-    """A `jdp.spawn` rank: the parent's sys.path and __main__ (multiprocessing's recipe), then
+    """A `jdp.spawn` rank: the parent's import path and __main__ (multiprocessing's recipe), then
     `jdp.launch._spawn.run_rank`. While the parent's main is imported, JDP_SPAWN_BOOTSTRAP is
     set, so a `jdp.spawn` call at its top level fails clearly."""
     import multiprocessing.spawn
@@ -191,7 +191,7 @@ def _run_spawned(payload: str) -> None:
     os.environ[SPAWN_BOOTSTRAP] = "1"
     multiprocessing.spawn.prepare(preparation)
     del os.environ[SPAWN_BOOTSTRAP]
-    from jdp.launch._spawn import run_rank   # importable now: the parent's sys.path is ours
+    from jdp.launch._spawn import run_rank   # importable now: the parent's import path is ours
     run_rank(payload)
 
 
@@ -209,8 +209,9 @@ def main(argv: list) -> None:
     argv = argv[1:] if argv[0] == "--" else argv
     module = argv[0] == "-m"
     sys.argv = argv[1:] if module else list(argv)
-    # The one sys.path edit in jdp, and why: run by path, sys.path[0] is this file's folder;
-    # the user's code expects what `python -m module` (the cwd) or `python script.py` puts there.
+    # jdp's one edit of the import path, and why: run by path, its first entry is this file's
+    # folder; the user's code expects what `python -m module` (the cwd) or `python script.py`
+    # (the script's folder) puts there, and only an interpreter started on the script sets that.
     sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
     if module:
         guarded(lambda: runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True))

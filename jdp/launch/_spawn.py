@@ -77,6 +77,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
             KeyboardInterrupt: SIGINT arrived (it reached every rank).
 
     Example:
+        >>> import jax, jdp
         >>> def main(rank, steps):
         ...     jdp.print0(jax.device_count())
         >>> if __name__ == "__main__":
@@ -130,7 +131,7 @@ def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
 
 
 def _preparation_data() -> dict:
-    """What a new process needs to look like this one: sys.path, cwd, how to import __main__.
+    """What a new process needs to look like this one: import path, cwd, how to import __main__.
 
     multiprocessing's own recipe, so `fn` may live in the main script. The authkey is a plain
     bytes copy: multiprocessing refuses to pickle its wrapper outside its own process start-up.

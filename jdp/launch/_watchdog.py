@@ -19,7 +19,6 @@ from jdp.launch import _progress
 READ_EVERY_S = 0.5
 STACK_WAIT_S = 3.0        # for faulthandler's dump to finish
 MAX_STACKS = 4            # stuck ranks whose stacks are shown in full
-STACK_LINES = 40          # lines of one rank's dump on the console
 
 
 class RankProgress(NamedTuple):
@@ -107,16 +106,3 @@ def _await_dump(path: str) -> str:
         size = now
     with open(path, errors="replace") as f:
         return f.read()
-
-
-def report(who: str, progress: list, stacks: dict, timeout_s: float) -> str:
-    """The console report of a stall: who is behind, their stacks, where the rest went."""
-    lines = [f"{who}: no rank made progress for {timeout_s:g} s (--progress_timeout): "
-             f"{describe(progress)}."]
-    for rank in sorted(stacks)[:MAX_STACKS]:
-        dump = stacks[rank].rstrip("\n").splitlines()
-        lines.append(f"{who}: Python stack of rank {rank} (most recent call first):")
-        lines += [f"  {line}" for line in dump[:STACK_LINES]]
-        if len(dump) > STACK_LINES:
-            lines.append(f"  ... {len(dump) - STACK_LINES} more line(s)")
-    return "\n".join(lines)
