@@ -348,3 +348,42 @@ def test_the_launcher_imports_the_standard_library_only():
             allowed = top in sys.stdlib_module_names or (
                 path.name != "_run.py" and (name == "jdp.launch" or name.startswith("jdp.launch.")))
             assert allowed, f"{path.name} imports {name}"
+
+
+def test_each_way_a_round_ends_has_one_exit_status():
+    from jdp.launch._outcome import Outcome, RankExit, Stall, State, Stop, exit_status
+    assert exit_status(Outcome(State.SUCCEEDED)) == 0
+    assert exit_status(Outcome(State.FAILED, 1.0, RankExit(1, 3, ()))) == 3
+    assert exit_status(Outcome(State.FAILED, 1.0, RankExit(1, -signal.SIGKILL, ()))) == 137
+    assert exit_status(Outcome(State.STALLED, 1.0, Stall([], {}))) == 124
+    assert exit_status(Outcome(State.SIGNALED, 1.0, Stop(signal.SIGTERM, 30.0, (), ()))) == 143
+
+
+def test_rounds_restart_after_a_failure_and_report_it_once(capsys):
+    """The round protocol without processes: round 0 fails, round 1 (the restart) succeeds."""
+    from jdp.launch import _rounds
+    from jdp.launch._outcome import Job, Outcome, RankExit, State
+    rounds = []
+
+    def run_round(r, stop):
+        rounds.append(r)
+        if r == 0:
+            return Outcome(State.FAILED, 0.5, RankExit(1, 5, ("boom",)))
+        return Outcome(State.SUCCEEDED, 0.5)
+
+    assert _rounds.run(Job("jdp.launch", 2), 1, None, run_round) == 0
+    assert rounds == [0, 1]
+    err = capsys.readouterr().err
+    assert err.count("jdp.launch: rank 1 of 2 failed with exit code 5 after 0.5 s") == 1, err
+    assert "  boom" in err and "restart 1 of 1" in err
+
+
+def test_without_restarts_left_the_job_exits_with_the_failed_rank_s_status(capsys):
+    from jdp.launch import _rounds
+    from jdp.launch._outcome import Job, Outcome, RankExit, State
+
+    def run_round(r, stop):
+        return Outcome(State.FAILED, 0.1, RankExit(0, -signal.SIGKILL, ()))
+
+    assert _rounds.run(Job("jdp.launch", 1), 0, None, run_round) == 137
+    assert "rank 0 of 1 failed with signal SIGKILL (exit status 137)" in capsys.readouterr().err

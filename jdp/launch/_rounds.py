@@ -201,7 +201,10 @@ class Link:
         threading.Thread(target=self._read, daemon=True).start()
 
     def send(self, message: dict) -> None:
-        _net.send(self.conn, message)
+        try:
+            _net.send(self.conn, message)
+        except OSError:   # the keeper is gone: `next` says so
+            pass
 
     def _read(self) -> None:
         lines: queue.Queue = queue.Queue()
