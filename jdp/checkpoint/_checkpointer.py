@@ -21,6 +21,7 @@ import operator
 import os
 import threading
 import warnings
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -146,15 +147,34 @@ class Checkpointer:
                 f"{self.directory}; steps must increase. Pass a larger step (e.g. the state's "
                 "step counter), or save into a new directory")
         self._prepare_to_write()
-        # Dispatched to the devices, fetched by the (background) write: nothing waits here.
-        partial = _integrity.hashes(found, [leaf.leaf for leaf in found])
-        first = _integrity.record(found, position) if jax.process_index() == 0 else {}
-        names = [leaf.name for leaf in found]
-        self._manager.save(step, force=True, args=_disk().save_args(
-            found, lambda: {**first, "hashes": _integrity.process_sums(names, partial)},
-            position))
+        self._write(step, found, position)
         if not self._async:
             self._empty_trash()
+
+    def _write(self, step: int, found: list, position: Any) -> None:
+        """Hand the arrays, the loader position and the integrity record to orbax.
+
+        orbax makes the record in its (background) write, after emptying the trash (what the
+        previous save's max_to_keep moved there), from the hashes the devices computed. With
+        `async_save` they are dispatched once orbax has copied the arrays to the host, a copy
+        that must not queue behind them; a synchronous write waits for them, so they go first.
+        """
+        first = _integrity.record(found, position) if jax.process_index() == 0 else {}
+        hashed: futures.Future = futures.Future()
+
+        def record() -> dict:
+            self._empty_trash()
+            return {**first, "hashes": _integrity.process_sums(
+                [leaf.name for leaf in found], hashed.result(timeout=self.timeout_s))}
+
+        if not self._async:
+            hashed.set_result(_integrity.hashes(found, [leaf.leaf for leaf in found]))
+        try:
+            self._manager.save(step, force=True,
+                               args=_disk().save_args(found, record, position))
+        finally:
+            if not hashed.done():
+                hashed.set_result(_integrity.hashes(found, [leaf.leaf for leaf in found]))
 
     def restore(self, state: Any, loader: Any = None, step: int | None = None) -> Any:
         """Load checkpoint `step` (default: the newest intact one) into the structure of `state`.
@@ -315,7 +335,8 @@ class Checkpointer:
                 from None
 
     def _prepare_to_write(self) -> None:
-        """Create the directory; on process 0, delete what crashed earlier writers left."""
+        """Create the directory; on process 0, delete the unfinished saves of crashed
+        writers (their trash goes in the background write)."""
         try:
             self._root.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -151,11 +151,10 @@ def complete_steps(root: epath.Path) -> list[int]:
 
 
 def remove_leftovers(root: epath.Path) -> None:
-    """Delete unfinished saves and old steps a writer left (call on the writer, before it saves)."""
+    """Delete the unfinished saves a killed writer left (call on the writer, before it saves)."""
     for path in root.iterdir():
         if _LEFTOVER.match(path.name):
             path.rmtree()
-    empty_trash(root)
 
 
 def empty_trash(root: epath.Path) -> None:
