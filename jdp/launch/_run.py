@@ -80,11 +80,13 @@ def report_failure(code: int = 1, exc: BaseException | None = None) -> NoReturn:
 
 
 def _user_frames(tb):
-    """`tb` without its leading frames in this runner and runpy, as `python script.py` shows."""
+    """`tb` without its leading frames in the launcher (this runner, jdp.spawn's rank) and
+    runpy, as `python script.py` shows it."""
+    here = os.path.dirname(os.path.abspath(__file__))
     while tb is not None and tb.tb_next is not None:
         name = tb.tb_frame.f_code.co_filename
         if not (name == "<frozen runpy>" or name.endswith(os.sep + "runpy.py")
-                or os.path.abspath(name) == os.path.abspath(__file__)):
+                or os.path.dirname(os.path.abspath(name)) == here):
             break
         tb = tb.tb_next
     return tb

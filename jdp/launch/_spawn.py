@@ -74,7 +74,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         ProcessRaisedException: a rank raised; the message names it and holds its traceback.
         ProcessExitedException: a rank exited non-zero or was killed, without a traceback.
         TimeoutError: `timeout` passed, or no progress for `progress_timeout`.
-            KeyboardInterrupt: SIGINT arrived (it reached every rank).
+        KeyboardInterrupt: SIGINT arrived (it reached every rank).
 
     Example:
         >>> import jax, jdp
