@@ -150,8 +150,8 @@ def _zero_roundtrip(directory: str, out: str) -> None:
 def _two_process(directory: str, out: str) -> None:
     """Each process saves its own (rank-dependent) values; both restore; report the results."""
     jdp.initialize()
-    from jdp.pmap import local_sharding
     from jdp.data import Loader
+    from jdp.pmap import local_sharding
     rank, n = jax.process_index(), jax.local_device_count()
     loader = Loader({"x": np.arange(40, dtype=np.float32)}, batch_size=4, shuffle=True)
     batches = iter(loader)

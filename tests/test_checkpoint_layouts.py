@@ -10,8 +10,8 @@ from _checkpoint_child import busy_state, global_state, host_leaves, make_state
 from conftest import REPO, child_env, run_python, run_ranks
 
 import jdp
-from jdp.core._mesh import replicated
 from jdp.checkpoint import Checkpointer
+from jdp.core._mesh import replicated
 
 CHILD = os.path.join(REPO, "tests", "_checkpoint_child.py")
 N = jax.local_device_count()

@@ -10,8 +10,8 @@ from _checkpoint_child import busy_state, host_leaves, make_state
 from conftest import REPO, child_env, run_python
 
 import jdp
-from jdp.core._mesh import batch_sharded, replicated
 from jdp.checkpoint import Checkpointer
+from jdp.core._mesh import batch_sharded, replicated
 
 CHILD = os.path.join(REPO, "tests", "_checkpoint_child.py")
 SAVED = {k: np.asarray(jnp.asarray(v)) for k, v in host_leaves(busy_state(4)).items()}

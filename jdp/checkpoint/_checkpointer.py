@@ -154,10 +154,9 @@ class Checkpointer:
     def _write(self, step: int, found: list, position: Any) -> None:
         """Hand the arrays, the loader position and the integrity record to orbax.
 
-        orbax makes the record in its (background) write, after emptying the trash (what the
-        previous save's max_to_keep moved there), from the hashes the devices computed. With
-        `async_save` they are dispatched once orbax has copied the arrays to the host, a copy
-        that must not queue behind them; a synchronous write waits for them, so they go first.
+        orbax's (background) write empties the trash (the previous save's old steps) and makes
+        the record from the devices' hashes. With `async_save` these are dispatched once orbax
+        has copied the arrays to the host, a copy that must not queue behind them on a device.
         """
         first = _integrity.record(found, position) if jax.process_index() == 0 else {}
         hashed: futures.Future = futures.Future()

@@ -108,20 +108,16 @@ def _block_hash(block: jax.Array, start: list, shape: tuple) -> jax.Array:
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """The bits of each element as uint32 words, `[..., words]`."""
+    """The bits of each element as uint32 words, `[..., words]` (or `[...]`: one word)."""
     if jnp.iscomplexobj(x):
         x = jnp.stack([x.real, x.imag], -1)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    if x.dtype.itemsize < 4:
-        return lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]
-                                        ).astype(jnp.uint32)
-    return lax.bitcast_convert_type(x, jnp.uint32)
+    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+    return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
 def _fmix(h: jax.Array) -> jax.Array:
-    """murmur3's finaliser: a bijection of uint32 in which every input bit moves every output
-    bit."""
+    """murmur3's finaliser: a bijection of uint32 in which each input bit moves every output bit."""
     h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
     h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
     return h ^ (h >> 16)

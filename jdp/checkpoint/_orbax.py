@@ -58,15 +58,11 @@ class RecordSave(ocp.args.CheckpointArgs):
 
 
 class RecordHandler(ocp.AsyncCheckpointHandler):
-    """Writes `integrity/metadata` (process 0) or `metadata.process_<i>` in the background.
-
-    `make()` waits for the hashes the save dispatched to the devices: the devices compute them
-    while the host returns to training, and this write, like orbax's array writes, is done
-    before the step is committed.
-    """
+    """Writes `integrity/metadata` (process 0) or `metadata.process_<i>` in orbax's write
+    (in the background with `async_save`), which finishes before the step is committed."""
 
     async def async_save(self, directory: epath.Path, args: RecordSave) -> list:
-        async def write():  # in orbax's background thread
+        async def write():
             self.save(directory, args)
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jdp_record")]
 
