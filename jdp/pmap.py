@@ -163,27 +163,17 @@ def _check(state: Any, batch: Any, *, accum_steps: int) -> None:
 
 
 def _check_batch(batch: Any, n: int, accum_steps: int) -> None:
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    if not leaves:
-        raise ValueError("batch is empty: expected a pytree of arrays")
-    per_device = first = None
+    leaves = _checks.batch_leaves(batch)
     for path, x in leaves:
-        shape = jnp.shape(x)
-        if len(shape) < 2 or shape[0] != n:
+        if len(jnp.shape(x)) < 2 or jnp.shape(x)[0] != n:
             raise ValueError(
-                f"batch leaf {_checks.name(path)} has shape {shape}: expected [{n}, "
+                f"batch leaf {_checks.name(path)} has shape {jnp.shape(x)}: expected [{n}, "
                 f"per_device_batch, ...] with a leading axis of {n} local devices; split it "
                 "with jdp.pmap.shard(rows) or feed it through jdp.data.Loader(..., "
                 "layout='pmap')")
-        if per_device is None:
-            per_device, first = shape[1], _checks.name(path)
-        elif shape[1] != per_device:
-            raise ValueError(f"batch leaf {_checks.name(path)} has {shape[1]} examples per "
-                             f"device but {first} has {per_device}: every leaf needs the same "
-                             "per-device batch")
-    if per_device % accum_steps:
-        raise ValueError(f"per-device batch {per_device} is not divisible by accum_steps="
-                         f"{accum_steps}: pick a batch size that is a multiple of "
+    if _checks.one_size(leaves, 1, " per device") % accum_steps:
+        raise ValueError(f"per-device batch {jnp.shape(leaves[0][1])[1]} is not divisible by "
+                         f"accum_steps={accum_steps}: pick a batch size that is a multiple of "
                          f"{accum_steps} x {n} devices")
 
 

@@ -114,13 +114,30 @@ def _where(x: Any) -> str:
     return f"a {type(x).__name__} of shape {jnp.shape(x)}"
 
 
-def global_batch(tree: Any, accum_steps: int) -> None:
-    """Batch leaves: global arrays on `jdp.mesh()` (or host arrays on one process) with one
-    leading size that splits evenly over all devices and micro-batches."""
+def batch_leaves(tree: Any) -> list:
+    """(path, leaf) of every batch leaf; a ValueError for an empty batch."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not leaves:
         raise ValueError("batch is empty: expected a pytree of arrays")
-    n, size, first = jax.device_count(), None, None
+    return leaves
+
+
+def one_size(leaves: list, axis: int, what: str) -> int:
+    """The size every batch leaf has on `axis`; a ValueError naming a leaf that differs."""
+    (first, x0), *rest = leaves
+    size = jnp.shape(x0)[axis]
+    for path, x in rest:
+        if jnp.shape(x)[axis] != size:
+            raise ValueError(f"batch leaf {name(path)} has {jnp.shape(x)[axis]} examples{what} "
+                             f"but {name(first)} has {size}: every leaf needs the same "
+                             f"{'per-device batch' if what else 'batch size'}")
+    return size
+
+
+def global_batch(tree: Any, accum_steps: int) -> None:
+    """Batch leaves: global arrays on `jdp.mesh()` (or host arrays on one process) with one
+    leading size that splits evenly over all devices and micro-batches."""
+    leaves, n = batch_leaves(tree), jax.device_count()
     for path, x in leaves:
         shape = jnp.shape(x)
         if isinstance(x, jax.Array) and x.ndim and not _on_mesh(x):
@@ -135,11 +152,7 @@ def global_batch(tree: Any, accum_steps: int) -> None:
             raise ValueError(f"batch leaf {name(path)} has shape {shape}: the global batch must "
                              f"split evenly over {n} devices x accum_steps={accum_steps}; use a "
                              f"global batch size that is a multiple of {n * accum_steps}")
-        if size is None:
-            size, first = shape[0], name(path)
-        elif shape[0] != size:
-            raise ValueError(f"batch leaf {name(path)} has {shape[0]} examples but {first} has "
-                             f"{size}: every leaf needs the same batch size")
+    one_size(leaves, 0, "")
 
 
 def loss_output(out: Any, has_aux: bool, has_model_state: bool) -> tuple:

@@ -39,6 +39,7 @@ def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
         The reduced gradients, same structure and dtypes as `grads`.
 
     Example:
+        >>> import jdp, numpy as np
         >>> reduce = jax.pmap(lambda g: jdp.reduce_gradients(g, axis_name="i"), axis_name="i")
         >>> n = jax.local_device_count()
         >>> float(reduce(np.arange(n, dtype=np.float32))[0]) == (n - 1) / 2
@@ -147,7 +148,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         averaged over devices. `step.lower(state, batch)` gives the lowered computation.
 
     Example:
-        >>> import jdp, optax
+        >>> import jdp, numpy as np, optax
         >>> def loss_fn(params, batch):
         ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
         >>> state = jdp.broadcast(jdp.TrainState.create(
@@ -203,11 +204,11 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
         `evaluate(state, batch) -> totals`: replicated scalars.
 
     Example:
-        >>> import jdp
+        >>> import jdp, numpy as np
         >>> def metric_fn(state, batch):
         ...     return {"sq": (batch["x"] * state["w"]) ** 2}
         >>> n = jax.device_count()
-        >>> batch = jdp.shard({"x": np.ones(n), "mask": np.arange(n) < n - 1})
+        >>> batch = jdp.shard({"x": np.ones(2 * n), "mask": np.arange(2 * n) < 2 * n - 1})
         >>> totals = jdp.eval_step(metric_fn)(jdp.broadcast({"w": np.float32(2)}), batch)
         >>> float(totals["sq"]) / float(totals["count"])
         4.0
