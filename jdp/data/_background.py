@@ -1,20 +1,18 @@
 """Building batches off the training thread: the prefetch thread and the worker processes.
 
-Prefetch: a daemon thread computes `fn(i)` for a range of i, a bounded queue ahead, so that
-reading, transforming and the host-to-device copy overlap the training step. The thread holds
-no reference to the Loader or to the consuming iterator: when the iterator is closed or
-garbage-collected the thread is told to stop, and it stops within one queue poll. Every queue
-wait has a timeout, so neither side can hang on the other.
+Prefetch: a daemon thread computes `fn(i)` a bounded queue ahead, so that reading,
+transforming and the host-to-device copy overlap the training step. It holds no reference to
+the Loader or the iterator: closing or collecting the iterator stops it within one queue poll.
+Every queue wait has a timeout, so neither side can hang on the other.
 
 Workers (`Loader(..., num_workers=k)`): worker i builds the host batches b with b % k == i, in
 the order asked, and answers on its own pipe, so the batches come out in order with no
 reordering buffer: those of `num_workers=0`. Workers are forked by a 'forkserver', never from
-the training process (JAX is not fork-safe), get the `Recipe` once and an `EpochPlan` per pass;
-a new pass first collects what an abandoned one (a `break`) still owes, so pipes never hold
-stale batches. `close()` (the Loader's, its garbage collection, interpreter exit) asks them to
-stop, then terminates and kills; a worker whose parent died sees its pipe close and exits.
-Results travel through pipes, so no shared memory can leak. A worker that raises sends the
-exception back; one that dies is reported with the batch and example indices it was building.
+the training process (JAX is not fork-safe), get the `Recipe` once and an `EpochPlan` per pass.
+`close()` (the Loader's, its garbage collection, interpreter exit) asks them to stop, then
+terminates and kills; a worker whose parent died sees its pipe close and exits. Results travel
+through pipes, so no shared memory can leak. A worker that raises sends the exception back;
+one that dies is reported with the batch and example indices it was building.
 """
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ def prefetched(fn: Callable[[int], Any], items: range, depth: int,
                timeout: float | None) -> Iterator:
     """`fn(i) for i in items`, computed up to `depth` ahead in a thread (inline when depth is 0).
 
-    The result has `close()`; exceptions from `fn` are raised in the consumer; a `timeout`
-    (seconds without a result) raises TimeoutError instead of waiting forever.
+    It has `close()`; `fn`'s errors, and `timeout` seconds without a result, raise in the consumer.
     """
     if depth == 0:
         return (fn(i) for i in items)
@@ -64,7 +61,6 @@ class _Prefetcher:
         self._timeout = timeout
         self._thread = threading.Thread(target=_produce, name="jdp-loader-prefetch", daemon=True,
                                         args=(fn, items, self._queue, self._stop))
-        # Stops the thread on close() or when this iterator is garbage-collected.
         self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._thread)
         self._thread.start()
 
@@ -150,19 +146,15 @@ def check_picklable(recipe: _sources.Recipe, num_workers: int) -> None:
     try:
         pickle.dump(recipe, _Discard(), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as err:  # noqa: BLE001 -- pickle raises several types
-        what = "transform" if _picklable(recipe.read) else "source"
+        try:  # which of the two is it?
+            pickle.dump(recipe.read, _Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+            what = "transform"
+        except Exception:  # noqa: BLE001
+            what = "source"
         raise TypeError(f"Loader: num_workers={num_workers} needs a picklable source and "
                         f"transform (worker processes receive them by pickle), but the {what} "
                         f"is not ({type(err).__name__}: {err}); define it at module level (no "
                         "lambda or local function), or use num_workers=0") from err
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 class Pool:
@@ -170,7 +162,11 @@ class Pool:
 
     def __init__(self, recipe: _sources.Recipe, num_workers: int):
         recipe = pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)  # once for all workers
-        ctx = _context()
+        # Workers fork from a 'forkserver' that has imported jdp but started no JAX backend, in
+        # milliseconds: only the first pool pays the imports. They inherit its environment,
+        # taken when the first pool starts.
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
         self._conns, self._procs = [], []
         for i in range(num_workers):
             mine, theirs = ctx.Pipe()
@@ -188,8 +184,7 @@ class Pool:
     def start_pass(self, plan: _sources.EpochPlan, items: range, ahead: int):
         """A function `get(b)` returning host batch b, called for b in `items` in order.
 
-        The results still owed by an abandoned pass are received and dropped first, so no
-        pipe holds a stale result (and neither side can block the other on a full pipe).
+        What an abandoned pass still owes is received and dropped first (no stale results).
         """
         self._cancel.set()  # a getter of the previous pass still waiting gives up
         with self._lock:
@@ -255,32 +250,16 @@ class Pool:
         deadline = time.monotonic() + _STOP_S
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(_STOP_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(_STOP_S)
+            for end in (proc.terminate, proc.kill):
+                if proc.is_alive():
+                    end()
+                    proc.join(_STOP_S)
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
-
-
-def _context():
-    """'forkserver' with this module preloaded: workers fork from a fresh server process.
-
-    JAX is not fork-safe once it has started, so workers never fork from the training
-    process: the server is a new interpreter that has only imported jdp (no JAX backend
-    started) and forks each worker in milliseconds, so only the first pool pays the imports
-    (a 'spawn' pool would pay them in every worker, every time). Workers inherit the server's
-    environment, taken when the first pool starts.
-    """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
 
 
 def _send(conn, message: tuple) -> None:
@@ -303,9 +282,8 @@ def _died(i: int, proc, b: int | None, plan: _sources.EpochPlan | None) -> Runti
     proc.join(_POLL_S)
     what = "between batches"
     if plan is not None:
-        idx = _sources.rows(plan, b)[0]
-        what = (f"while building batch {b} (example indices {idx[:8].tolist()}"
-                f"{'...' if len(idx) > 8 else ''})")
+        idx = _sources.rows(plan, b)[0].tolist()
+        what = f"while building batch {b} (example indices {_sources.shown(idx)})"
     return RuntimeError(f"Loader: worker {i} (pid {proc.pid}) died with exit code "
                         f"{proc.exitcode} {what}; see its output above (a script starting "
                         "workers needs `if __name__ == '__main__':`), or run with num_workers=0 "

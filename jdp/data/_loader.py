@@ -1,10 +1,8 @@
 """`Loader`: this process's examples as global batches on `jdp.mesh()`, resumable anywhere.
 
-The Loader reads the examples its `DistributedSampler` chooses a batch at a time (in this
-process, or in `num_workers` worker processes), adds `batch["mask"]` (False for padding),
-puts each batch on the devices ahead of use in a background thread, and keeps its position
-(`epoch`, `step`, and the global `offset` into the epoch) resumable through `state_dict()`,
-also onto another number of processes::
+The Loader reads the examples its `DistributedSampler` chooses (here or in worker processes),
+puts each batch on the devices ahead of use, and keeps its position (`epoch`, `step`, the
+global `offset` into the epoch) resumable through `state_dict()`, also on another world size::
 
     source = jdp.data.ArraySource({"image": images, "label": labels})
     sampler = jdp.data.DistributedSampler(len(source), shuffle=True, seed=0)
@@ -14,11 +12,9 @@ also onto another number of processes::
         for batch in loader:                        # the rest of the current epoch
             state, metrics = step(state, batch)
 
-Padding: `batch["mask"]` is False for (1) the sampler's padding, which repeats indices from the
-start of the epoch's list so that every process gets the same number of examples, and (2) the
-rows that fill the last partial batch of an epoch up to `batch_size`. With both masked out,
-every example counts exactly once per epoch over all processes, so evaluation over a whole
-split is exact (`jdp.eval_step` weights by the mask).
+`batch["mask"]` is False for the sampler's padding (repeats that give every process as many
+examples) and for the rows filling an epoch's last partial batch, so every example counts
+exactly once per epoch and evaluation over a split is exact (`jdp.eval_step` weights by it).
 """
 from __future__ import annotations
 
@@ -53,8 +49,7 @@ class Loader:
 
     `batch_size` is per process: the examples this process feeds its local devices, split
     evenly over them. The epoch's last partial batch is padded up to `batch_size` (its padding
-    rows masked out) unless `drop_last=True` drops it. Examples are read a batch at a time
-    (`source.__getitems__`, or numpy fancy indexing for a dict of arrays).
+    rows masked out) unless `drop_last=True` drops it.
 
     Args:
         source: an `ArraySource` or a dict of arrays with one row per example (read by numpy
@@ -145,8 +140,7 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of epoch `epoch`; a no-op when already in it (resumes mid-epoch).
 
-        Call it before iterating each epoch; calling the sampler's `set_epoch` directly has the
-        same effect.
+        Calling the sampler's `set_epoch` directly has the same effect.
         """
         epoch = _require_int("Loader.set_epoch", "epoch", epoch, 0,
                              "pass the epoch number, counted from 0")
@@ -173,12 +167,9 @@ class Loader:
         plan = _sources.EpochPlan(indices, real, self.batch_size, self.sampler.seed, self._epoch)
         items = range(self._step, self._num_batches(self._start))
         host, place = self._host_batches(plan, items), self._place
-
-        def build(b: int) -> dict:
-            return place(host(b))
-
-        with contextlib.closing(_background.prefetched(build, items, self.prefetch,
-                                                       self.timeout)) as batches:
+        batches = _background.prefetched(lambda b: place(host(b)), items, self.prefetch,
+                                         self.timeout)
+        with contextlib.closing(batches):
             for batch in batches:
                 self._step += 1
                 _progress.record("data")  # a rank stuck reading shows phase "data"
@@ -198,10 +189,7 @@ class Loader:
         return self._pool.start_pass(plan, items, ahead=2 * self.num_workers)
 
     def close(self) -> None:
-        """Stop the worker processes now (idempotent; the next iteration starts new ones).
-
-        Workers also stop when the Loader is garbage-collected and at interpreter exit.
-        """
+        """Stop the worker processes now (idempotent; the next iteration starts new ones)."""
         self._close_active()
         self._stop_workers()
 
@@ -216,11 +204,9 @@ class Loader:
         Returns:
             `{"epoch", "step", "start", "offset", "num_examples", "num_replicas", "shuffle",
             "seed", "sampler_drop_last", "batch_size", "drop_last"}`. `offset` counts the
-            examples of the epoch consumed by all processes together (see `load_state_dict`);
-            the rank is not included, so process 0's copy restores every process. An epoch whose
-            last batch was taken (a loop that left at it, e.g. on preemption) is saved as the
-            start of the next one: a resumed `range(loader.epoch, num_epochs)` loop goes on
-            there instead of re-entering an epoch with nothing left.
+            examples of the epoch consumed by all processes together; without the rank, process
+            0's copy restores every process. An epoch whose last batch was taken is saved as the
+            start of the next one, where a resumed `range(loader.epoch, num_epochs)` loop goes on.
         """
         s, epoch, step, start = self.sampler, self.epoch, self.step, self._start
         if step and step == self._num_batches(start):
@@ -252,7 +238,7 @@ class Loader:
         self._epoch, self._start, self._step = epoch, start, step
 
     def _follow_sampler(self) -> None:
-        # Someone called sampler.set_epoch(e) directly: treat it as ours.
+        """Someone called sampler.set_epoch(e) directly: treat it as ours."""
         if self.sampler.epoch != self._epoch:
             self._move(self.sampler.epoch, 0)
 

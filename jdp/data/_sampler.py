@@ -34,8 +34,7 @@ class DistributedSampler:
     permutation seeded by `seed + epoch` when `shuffle`, else `0..n-1`) is padded by repeating
     it from its start up to a multiple of `num_replicas` (or, with `drop_last`, cut down to
     one), and rank r takes `indices[r::num_replicas]`. Every process computes the same list,
-    so no communication is needed. Fewer examples than replicas is an error: some ranks would
-    get nothing but padding, or, with `drop_last`, every rank nothing at all.
+    so no communication is needed.
 
     Args:
         num_examples: number of examples in the source (`len(source)`), at least 1.
@@ -84,26 +83,17 @@ class DistributedSampler:
         return self.pass_rows(0)[0]
 
     def is_padding(self) -> np.ndarray:
-        """Bool array aligned with `indices()`: True where the index repeats for padding.
-
-        Over all ranks, the positions where it is False hold every example exactly once.
-        """
+        """Bool array aligned with `indices()`: True where the index repeats for padding."""
         return ~self.pass_rows(0)[1]
 
     def order(self) -> np.ndarray:
         """The current epoch's example order before padding and striding (same on every rank)."""
-        if self.shuffle:
-            order = np.random.default_rng(self.seed + self.epoch).permutation(self.num_examples)
-        else:
-            order = np.arange(self.num_examples)
-        return order.astype(np.int64)
+        n = self.num_examples
+        rng = np.random.default_rng(self.seed + self.epoch)
+        return (rng.permutation(n) if self.shuffle else np.arange(n)).astype(np.int64)
 
     def pass_rows(self, start: int) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's indices of `order()[start:]`, and the mask of the real (unpadded) ones.
-
-        The rest of the order is padded by repeating it from its start up to a multiple of the
-        ranks (or cut to one with `drop_last`), and this rank takes every W-th from `rank`.
-        """
+        """This rank's indices of `order()[start:]` (padded as above), and its real-row mask."""
         rest = self.order()[start:]
         world, left = self.num_replicas, len(rest)
         total = self.pass_length(start) * world
@@ -154,11 +144,10 @@ def restored(saved: Mapping, mine: Mapping, num_batches: Callable[[int], int]) -
     `num_batches(start)` is the number of batches of a pass starting at `start`.
     """
     where, fix = "Loader.load_state_dict", "pass a dict from Loader.state_dict()"
-    differ = {k: (saved[k], mine[k]) for k in ORDER_CONFIG if k in saved and saved[k] != mine[k]}
-    elastic = any(k in saved and saved[k] != mine[k] for k in SPLIT_CONFIG)
-    if differ or (elastic and "offset" not in saved):
-        differ.update({k: (saved[k], mine[k]) for k in SPLIT_CONFIG
-                       if k in saved and saved[k] != mine[k]})
+    differ = {k: (saved[k], mine[k]) for k in ORDER_CONFIG + SPLIT_CONFIG
+              if k in saved and saved[k] != mine[k]}
+    elastic = not differ.keys().isdisjoint(SPLIT_CONFIG)
+    if not differ.keys().isdisjoint(ORDER_CONFIG) or (elastic and "offset" not in saved):
         raise ValueError(f"{where}: saved vs this loader's settings differ {differ}; build the "
                          "Loader and sampler as they were when saved")
     epoch = _require_int(where, "epoch", saved.get("epoch"), 0, fix)

@@ -1,10 +1,7 @@
 """Host batches: reading a batch of examples from a source, transforming it, checking it.
 
-Two kinds of source, each read a whole batch at a time: an `ArraySource` (or a plain dict of
-arrays, one row per example) by numpy fancy indexing, the fast path; anything with `__len__`
-and `__getitem__` returning a dict of fields (`tfds.data_source(...)`, grain sources) by
-`source.__getitems__(indices)` where it exists, else `source[i]` per example, then one
-`np.stack` per field.
+An `ArraySource` (or a dict of arrays) is read by numpy fancy indexing; any other source by
+`source.__getitems__(indices)` where it exists, else `source[i]` per example, then stacked.
 
 This is the part of the Loader that runs in worker processes, so it takes only picklable
 values: a `Recipe` (how to read and transform, fixed for the Loader's life) and an `EpochPlan`
@@ -22,20 +19,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-Reader = Callable[[np.ndarray], dict]
-"""`read(indices) -> {field: array with leading axis len(indices)}`."""
-
-MASK = "mask"
-"""Field name the Loader adds; a source may not use it."""
+Reader = Callable[[np.ndarray], dict]  # read(indices) -> {field: [len(indices), ...] array}
+MASK = "mask"  # the field the Loader adds; a source may not use it
 
 
 def make_reader(source: Any) -> tuple[int, Reader]:
-    """Number of examples in `source` and a function reading rows `indices` of it.
-
-    Raises:
-        TypeError: `source` is neither a dict of arrays nor a `__len__`/`__getitem__` source.
-        ValueError: a dict source is not a valid `ArraySource`.
-    """
+    """Number of examples in `source` and a function reading rows `indices` of it."""
     if isinstance(source, Mapping):
         source = ArraySource(source)
     if isinstance(source, ArraySource):
@@ -51,17 +40,15 @@ def make_reader(source: Any) -> tuple[int, Reader]:
 class ArraySource:
     """Examples held as a dict of arrays, one row per example: the Loader's fast path.
 
-    `len(source)` counts examples and `source[i]` is example i as a dict, as for any
-    random-access source; the Loader reads whole batches with numpy fancy indexing instead. A
-    plain dict of arrays passed to the Loader is wrapped in one.
+    `source[i]` is example i as a dict, as for any random-access source, but the Loader reads
+    whole batches by numpy fancy indexing. A dict of arrays passed to the Loader is wrapped.
 
     Args:
         arrays: field name -> array (numpy or anything `np.asarray` takes), all of the same
             length; no field may be called "mask".
 
     Raises:
-        ValueError: no fields, a field that is not an array, fields of different lengths, or a
-            field named "mask".
+        ValueError: no fields, a field that is not an array, or fields of different lengths.
 
     Example:
         >>> source = ArraySource({"x": np.zeros((100, 3)), "y": np.arange(100)})
@@ -130,7 +117,7 @@ class _ExampleReader:
             for k in keys:  # which example fails on its own? Name it.
                 self._one(k)
             raise ReadError(f"Loader: source.__getitems__ failed for example indices "
-                            f"{_shown(keys)} ({type(err).__name__}: {err}), though each reads "
+                            f"{shown(keys)} ({type(err).__name__}: {err}), though each reads "
                             "alone with source[i]; fix __getitems__ (the cause is chained)"
                             ) from err
 
@@ -150,12 +137,10 @@ class ReadError(RuntimeError):
 def _takes_one_argument(getitems: Any) -> bool:
     """Whether `getitems(keys)` can be called: False for a missing or unbound `__getitems__`.
 
-    tfds.testing.mock_data installs a `functools.partial` of a function of (self, keys) as an
-    instance attribute of the data source that tfds's DataSource wraps, which cannot take the
-    keys alone; such a source is read one example at a time. A real `__getitems__` is called,
-    and its errors are raised, never swallowed.
+    tfds.testing.mock_data's `__getitems__` is an unbound `functools.partial` of (self, keys):
+    such a source is read one example at a time.
     """
-    if getitems is None or not callable(getitems):
+    if not callable(getitems):
         return False
     try:
         inspect.signature(getitems).bind([0])
@@ -166,7 +151,8 @@ def _takes_one_argument(getitems: Any) -> bool:
     return True
 
 
-def _shown(keys: list[int]) -> str:
+def shown(keys: list[int]) -> str:
+    """The first 8 of `keys`, for error messages."""
     return f"{keys[:8]}{'...' if len(keys) > 8 else ''}"
 
 
@@ -182,13 +168,13 @@ def _stack(examples: Sequence, keys: list[int]) -> dict:
         try:
             stacked[field] = np.stack([np.asarray(ex[field]) for ex in examples])
         except (KeyError, TypeError) as err:
-            raise ValueError(f"Loader: examples {_shown(keys)} do not all have the fields "
+            raise ValueError(f"Loader: examples {shown(keys)} do not all have the fields "
                              f"{sorted(first)} ({err!r}); every example must have the same "
                              "fields") from err
         except ValueError as err:
             shapes = sorted({np.shape(ex[field]) for ex in examples})
             raise ValueError(f"Loader: field {field!r} has different shapes {shapes[:4]} "
-                             f"across examples {_shown(keys)}; make every example's {field!r} "
+                             f"across examples {shown(keys)}; make every example's {field!r} "
                              "the same shape (pad or resize it in the source)") from err
     return stacked
 
