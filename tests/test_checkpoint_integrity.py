@@ -2,8 +2,10 @@
 the file or array and loads the newest intact one; restore(step=k) raises naming it."""
 import os
 import warnings
+import zlib
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from _checkpoint_child import global_state
 
@@ -129,3 +131,36 @@ def test_a_mangled_integrity_record_is_damage_not_a_crash(tmp_path):
     restored, warned = fallback_restore(ckpt)
     assert_equal_to(restored, 1)
     assert len(warned) == 1 and "integrity/metadata: not a jdp integrity record" in warned[0]
+
+
+def save_format_1(directory, step, tree, damaged=None):
+    """Checkpoint `step` as jdp wrote it before integrity format 2: orbax's JsonSave of a record
+    holding a host CRC32 of each array's bytes (off by one for the array named `damaged`)."""
+    arrays = {name: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype),
+                     "crc32": zlib.crc32(np.ascontiguousarray(v).reshape(-1).view(np.uint8))
+                     ^ (name == damaged)} for name, v in tree.items()}
+    record = {"format": 1, "arrays": arrays, "loader_crc32": None}
+    manager = ocp.CheckpointManager(directory)
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree),
+                                               integrity=ocp.args.JsonSave(record)))
+    manager.close()
+
+
+@pytest.mark.parametrize("layout", ["stacked", "global"])
+def test_checkpoints_of_integrity_format_1_restore_and_are_verified(tmp_path, layout):
+    save_format_1(tmp_path, 1, values(1))
+    save_format_1(tmp_path, 2, values(2), damaged="w")
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.all_steps() == [1, 2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = ckpt.restore(state(0, layout))
+    assert_equal_to(jdp.pmap.like(state(0), jdp.pmap.to_global(restored)), 1)  # stacked, to compare
+    warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(warned) == 1 and "checkpoint 2" in warned[0] and "array w: read hash" in warned[0]
+    with pytest.raises(CorruptCheckpointError, match="checkpoint 2 .* is damaged: array w"):
+        ckpt.restore(state(0, layout), step=2)
+    ckpt.save(3, state(3, layout))  # a format-2 checkpoint beside them
+    for step in (3, 1):
+        restored = ckpt.restore(state(0, layout), step=step)
+        assert_equal_to(jdp.pmap.like(state(0), jdp.pmap.to_global(restored)), step)

@@ -8,11 +8,8 @@
   0) deletes anything, so evaluators may restore from a directory a job is saving into.
 * Verified (see `_integrity`) without a host copy: a damaged newest checkpoint is skipped with
   a warning naming the file or array; an explicitly requested one raises.
-* Synchronous by default; `async_save=True` writes in a background thread that every later
-  call and interpreter exit wait for; a kill meanwhile loses only the checkpoint being written.
 
 Only array leaves are saved; the rest (`apply_fn`, `tx`) comes from the state given to restore.
-orbax is imported by the first Checkpointer, not by `import jdp` (it takes about 0.5 s).
 """
 from __future__ import annotations
 
@@ -38,19 +35,11 @@ from jdp.launch import _progress
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
 
 
-def _disk():
-    """jdp's orbax layer (`_orbax`), imported on first use."""
-    from jdp.checkpoint import _orbax
-    return _orbax
-
-
 class Checkpointer:
     """Keeps the last `max_to_keep` checkpoints of a train state in `directory`.
 
     Every process of the job creates one on the same (shared) directory and calls `save` and
-    `restore` with the same arguments in the same order. Other jobs (an evaluator, an
-    exporter) may open the same directory at the same time to list and restore: only `save`
-    changes the directory, so one job should save into it.
+    `restore` with the same arguments in the same order; other jobs may list and restore.
 
     Args:
         directory: where step directories `<step>/` go (a path or an orbax-supported URL
@@ -60,11 +49,9 @@ class Checkpointer:
             TimeoutError (a peer that is dead, stuck, or skipped the call). orbax's own
             barriers inside a save wait up to 300 s.
         async_save: return from `save` once the arrays are copied to host memory and write
-            them in a background thread (for large states). The write is finished before
-            the next `save`, `restore`, `all_steps`/`latest_step`, `close`, and at interpreter
-            exit (also after an uncaught exception, and after a SIGTERM handled by
-            `jdp.preempted()`); a process killed meanwhile loses only that checkpoint, never
-            the previous one. `close()` (or `with`) raises a failed background write.
+            them in a background thread, finished by every later call and at interpreter exit
+            (also after an uncaught exception, or a SIGTERM handled by `jdp.preempted()`); a
+            kill meanwhile loses only that checkpoint. `close()` raises a failed write.
 
     Example (a training loop saves `ckpt.save(step, state, loader=loader)` the same way):
         >>> import tempfile, numpy as np, jdp
@@ -91,32 +78,28 @@ class Checkpointer:
             raise TypeError(f"async_save={async_save!r} must be True or False")
         text = os.fspath(directory)  # a local path, or a URL such as gs://bucket/run
         self.directory = text if "://" in text else os.path.abspath(os.path.expanduser(text))
-        disk = _disk()
-        self._root = disk.epath.Path(self.directory)
+        from jdp.checkpoint import _orbax as disk  # not at `import jdp`: orbax takes 0.5 s
+        self._root, self._disk = disk.epath.Path(self.directory), disk
         if self._root.exists() and not self._root.is_dir():
             raise ValueError(f"Checkpointer: directory {self.directory!r} is a file, not a "
                              "directory; pass a directory path (it is created if missing)")
         self.timeout_s = float(timeout_s)
-        self._key = f"jdp.checkpoint:{self.directory}"
         self._manager = disk.manager(self.directory, max_to_keep, async_save)
         self._async, self._closed = async_save, False
         if async_save:
             # Private: Python's only exit hook that runs before concurrent.futures stops taking
             # work (which orbax's writer needs); atexit runs after that, too late. No public API.
-            threading._register_atexit(self._finish)  # private: no public API
+            threading._register_atexit(self._finish)
 
     def save(self, step: int, state: Any, loader: Any = None) -> None:
         """Write `state`'s logical copy (and `loader`'s position) as checkpoint `step`.
 
-        Call it on every process. Returns once the checkpoint is complete on disk (with
-        `async_save`: once the arrays are copied to host memory); the oldest checkpoints
-        beyond `max_to_keep` are then deleted, and so are the leftovers of saves that a
-        killed process never finished.
+        Call it on every process. Also deletes the checkpoints beyond `max_to_keep` and the
+        leftovers of saves that a killed process never finished.
 
         Args:
             step: a non-negative integer, larger than every step already saved here.
-            state: the train state: global (`jdp.broadcast`, ZeRO-sharded or not) or stacked
-                (`jdp.pmap.replicate`), as given to or returned by a jdp step.
+            state: the train state, global (ZeRO-sharded or not) or stacked (`jdp.pmap`).
             loader: a `jdp.data.Loader` (anything with a JSON-serialisable `state_dict()`),
                 whose position is stored with the state.
 
@@ -152,12 +135,9 @@ class Checkpointer:
             self._empty_trash()
 
     def _write(self, step: int, found: list, position: Any) -> None:
-        """Hand the arrays, the loader position and the integrity record to orbax.
-
-        orbax's (background) write empties the trash (the previous save's old steps) and makes
-        the record from the devices' hashes. With `async_save` these are dispatched once orbax
-        has copied the arrays to the host, a copy that must not queue behind them on a device.
-        """
+        """Hand the arrays, loader position and record to orbax, whose (background) write empties
+        the trash and makes the record from the devices' hashes. With `async_save` these are
+        dispatched after orbax's copy to host, which must not queue behind them on a device."""
         first = _integrity.record(found, position) if jax.process_index() == 0 else {}
         hashed: futures.Future = futures.Future()
 
@@ -170,7 +150,7 @@ class Checkpointer:
             hashed.set_result(_integrity.hashes(found, [leaf.leaf for leaf in found]))
         try:
             self._manager.save(step, force=True,
-                               args=_disk().save_args(found, record, position))
+                               args=self._disk.save_args(found, record, position))
         finally:
             if not hashed.done():
                 hashed.set_result(_integrity.hashes(found, [leaf.leaf for leaf in found]))
@@ -178,21 +158,15 @@ class Checkpointer:
     def restore(self, state: Any, loader: Any = None, step: int | None = None) -> Any:
         """Load checkpoint `step` (default: the newest intact one) into the structure of `state`.
 
-        `state` gives the structure, dtypes and placement: each leaf comes back laid out like
-        the corresponding leaf of `state` (global, ZeRO-sharded or stacked, on this run's
-        devices), whatever the form and device count at save time. Every array is checked
-        against the hash recorded at save. With no checkpoint in the directory, `state` comes
-        back unchanged and `loader` is left alone, so a training script can call it
-        unconditionally.
+        Each leaf comes back laid out like `state`'s (global, ZeRO-sharded or stacked, on this
+        run's devices), whatever the layout and device count at save. With no checkpoint in
+        the directory, `state` comes back unchanged and `loader` is left alone.
 
         Args:
             state: a state of the model being trained, global or stacked.
             loader: the loader whose position to restore (`loader.load_state_dict`).
             step: which checkpoint to load; None for the newest intact one (a damaged newer
                 one is skipped with a warning naming the file or array).
-
-        Returns:
-            `state` with every array leaf replaced by the checkpoint's values.
 
         Raises:
             ValueError: the checkpoint does not match `state` (the message names the first
@@ -231,17 +205,12 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when nothing has been saved."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return (self.all_steps() or [None])[-1]
 
     def all_steps(self) -> list[int]:
-        """Steps of all complete checkpoints in the directory, oldest first.
-
-        Read from the directory on every call (another job may be saving): a step counts once
-        orbax has renamed its finished directory into place, with its commit marker.
-        """
+        """Steps of the complete checkpoints, oldest first (listed anew: a job may be saving)."""
         self._wait()
-        return _disk().complete_steps(self._root)
+        return self._disk.complete_steps(self._root)
 
     def close(self) -> None:
         """Finish a background save (raising if it failed) and release orbax's resources."""
@@ -254,8 +223,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
 
     def _finish(self) -> None:
-        """Finish a background save, once (at `close` or interpreter exit), and delete what
-        its max_to_keep moved to the trash."""
+        """Finish a background save and empty the trash, once (at `close` or interpreter exit)."""
         if self._async and not self._closed:
             self._closed = True
             self._manager.wait_until_finished()
@@ -294,21 +262,21 @@ class Checkpointer:
                                   "checkpoint", RuntimeWarning, stacklevel=3)
             else:
                 break
-        if not damaged and not self.all_steps():
-            return None, [], None
-        if not damaged:
+        if damaged:
+            raise CorruptCheckpointError(
+                f"Checkpointer.restore: no intact checkpoint in {self.directory}: "
+                f"{'; '.join(f'{s}: {e}' for s, e in damaged.items())}. Restore from a copy, "
+                "or start afresh in a new directory")
+        if self.all_steps():
             raise CorruptCheckpointError(
                 f"Checkpointer.restore: every checkpoint in {self.directory} was deleted while "
                 f"being read, {_RELISTS} times over; is a writer saving with a small "
                 "max_to_keep? Retry, or raise max_to_keep")
-        raise CorruptCheckpointError(
-            f"Checkpointer.restore: no intact checkpoint in {self.directory}: "
-            f"{'; '.join(f'{s}: {e}' for s, e in damaged.items())}. Restore from a copy, or "
-            "start afresh in a new directory")
+        return None, [], None
 
     def _read(self, step: int, found: list, loader: Any) -> tuple[list, Any]:
         """Checkpoint `step`'s values in `found` order and loader position, verified."""
-        disk = _disk()
+        disk = self._disk
         record = _integrity.checked(self._checked_read(
             step, lambda: disk.RecordHandler().restore(self._root / str(step) / disk.INTEGRITY),
             f"{disk.INTEGRITY} item ({_integrity.RECORD_FILE})"))
@@ -330,12 +298,10 @@ class Checkpointer:
         try:
             return read()
         except Exception as e:  # tensorstore, orbax, json and OS errors alike
-            raise _integrity.from_error(e, os.path.join(self.directory, str(step)), what) \
-                from None
+            raise _integrity.from_error(e, os.path.join(self.directory, str(step)), what) from None
 
     def _prepare_to_write(self) -> None:
-        """Create the directory; on process 0, delete the unfinished saves of crashed
-        writers (their trash goes in the background write)."""
+        """Create the directory; on process 0, delete the unfinished saves of crashed writers."""
         try:
             self._root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -343,20 +309,19 @@ class Checkpointer:
                              f"{self.directory!r} ({e.strerror or e}); pass a writable "
                              "directory path") from None
         if jax.process_index() == 0:
-            _disk().remove_leftovers(self._root)
+            self._disk.remove_leftovers(self._root)
         self._manager.reload()  # max_to_keep counts the steps on disk, not in memory
 
     def _empty_trash(self) -> None:
         if jax.process_index() == 0:
-            _disk().empty_trash(self._root)
+            self._disk.empty_trash(self._root)
 
     def _agree(self, what: str, step: int | None) -> None:
         """Raise on every process unless all processes chose the same `step`."""
         if jax.process_count() == 1:
             return
-        # A timed barrier first: the collective below cannot time out, but once every
-        # process has reached this point it completes at once.
-        barrier(f"{self._key}/{what}", self.timeout_s)
+        # A timed barrier first: the collective below cannot time out (after it, it is instant).
+        barrier(f"jdp.checkpoint:{self.directory}/{what}", self.timeout_s)
         chosen = np.asarray(multihost_utils.process_allgather(
             np.int32(-1 if step is None else step))).reshape(-1).tolist()
         if len(set(chosen)) > 1:
@@ -368,12 +333,9 @@ class Checkpointer:
 
 
 def _as_step(step: Any) -> int:
-    try:
-        if isinstance(step, bool):
-            raise TypeError
-        value = operator.index(step)
-    except TypeError:
-        raise TypeError(f"step={step!r} must be an integer, e.g. int(state.step)") from None
+    if isinstance(step, bool) or not hasattr(type(step), "__index__"):
+        raise TypeError(f"step={step!r} must be an integer, e.g. int(state.step)")
+    value = operator.index(step)
     if value < 0:
         raise ValueError(f"step={value} must be >= 0")
     return value

@@ -1,15 +1,15 @@
 """Integrity records of checkpoints: what each array was at save, checked at restore.
 
-orbax checks neither an array's bytes nor that every file is present (it checksums only a zarr3
-shard's index): overwritten bytes restore as wrong numbers, a truncated file fails deep inside
-tensorstore. So each checkpoint has an `integrity` item: process 0's record of every array's
-logical shape and dtype, the loader position's CRC32, and from every process a 32-bit hash of
-the shards it holds the first copy of. An array's hash is the sum (mod 2**32) over its elements
-of a bijective mix of bits and position: one changed element changes it, and the partial sums
-over any sharding add up to the same number. So the devices hash each shard where it lives,
-the save only dispatches that, the (background) write fetches the sums: no host copy and no
+orbax checks neither an array's bytes nor that every file is present: overwritten bytes restore
+as wrong numbers, a truncated file fails deep inside tensorstore. So each checkpoint has an
+`integrity` item: process 0's record of every array's logical shape and dtype and the loader
+position's CRC32, and from every process a 32-bit hash of the shards it holds the first copy of.
+An array's hash sums (mod 2**32) a bijective mix of each element's bits and position: one changed
+element changes it, and the partial sums over any sharding add up to the same number. So devices
+hash each shard where it lives and the (background) write fetches the sums: no host copy, no
 cross-process gather. A restore hashes what it read, in any sharding, and compares; every read
 failure becomes `Damaged`, naming the file or the array, and the Checkpointer falls back.
+Records of format 1 (jdp's first) hold a host CRC32 per array instead; restore still checks them.
 """
 from __future__ import annotations
 
@@ -48,8 +48,7 @@ def position_crc32(position: Any) -> int | None:
 
 
 def record(found: list, position: Any) -> dict:
-    """Process 0's record, without hashes: {name: shape, dtype}, the loader's CRC32 and the
-    number of processes whose hashes complete it."""
+    """Process 0's record without hashes; "processes" counts the records that complete it."""
     arrays = {leaf.name: {"shape": list(leaf.shape), "dtype": str(leaf.dtype)} for leaf in found}
     return {"format": FORMAT, "arrays": arrays, "loader_crc32": position_crc32(position),
             "processes": jax.process_count()}
@@ -124,16 +123,22 @@ def _fmix(h: jax.Array) -> jax.Array:
 
 
 def checked(records: list) -> dict:
-    """Process 0's record with "hashes" the sum of every process's; Damaged if malformed."""
+    """Process 0's record with "hashes" the sum of every process's (format 1: the CRC32s);
+    Damaged if malformed."""
     first = records[0]
-    if not (isinstance(first, dict) and first.get("format") == FORMAT
+    old = isinstance(first, dict) and first.get("format") == 1
+    if not (isinstance(first, dict) and first.get("format") in (1, FORMAT)
             and isinstance(first.get("arrays"), dict) and "loader_crc32" in first
             and all(isinstance(e, dict) and isinstance(e.get("shape"), list)
                     and all(isinstance(n, int) for n in e["shape"])
-                    and isinstance(e.get("dtype"), str) for e in first["arrays"].values())
-            and all(isinstance(r, dict) and isinstance(r.get("hashes"), dict)
-                    for r in records)):
-        raise Damaged(f"{RECORD_FILE}: not a jdp integrity record (format {FORMAT})")
+                    and isinstance(e.get("dtype"), str)
+                    and (not old or isinstance(e.get("crc32"), int))
+                    for e in first["arrays"].values())
+            and (old or all(isinstance(r, dict) and isinstance(r.get("hashes"), dict)
+                            for r in records))):
+        raise Damaged(f"{RECORD_FILE}: not a jdp integrity record (format 1 or {FORMAT})")
+    if old:
+        return {**first, "hashes": {n: e["crc32"] for n, e in first["arrays"].items()}}
     total = {name: sum(r["hashes"].get(name, 0) for r in records) % 2**32
              for name in first["arrays"]}
     return {**first, "hashes": total}
@@ -143,7 +148,8 @@ def verify(found: list, values: list, position: Any, record: dict) -> None:
     """Damaged naming the first array (or the loader position, if read) that differs from
     the record; a collective: every process calls it."""
     names = [leaf.name for leaf in found]
-    got = process_sums(names, hashes(found, values), every_process=True)
+    got = (_host_crc32s(found, values) if record["format"] == 1
+           else process_sums(names, hashes(found, values), every_process=True))
     for name in names:
         if got[name] != record["hashes"][name]:
             raise Damaged(f"array {name}: read hash {got[name]:#010x}, saved "
@@ -151,6 +157,18 @@ def verify(found: list, values: list, position: Any, record: dict) -> None:
     if position is not None and position_crc32(position) != record["loader_crc32"]:
         raise Damaged(f"loader position: CRC32 {position_crc32(position)} read, "
                       f"{record['loader_crc32']} saved")
+
+
+def _host_crc32s(found: list, values: list) -> dict[str, int]:
+    """Format 1's checksums: {name: CRC32 of the logical value's bytes}, on the host (a
+    collective for arrays sharded over processes)."""
+    out = {}
+    for leaf, value in zip(found, values, strict=True):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            value = multihost_utils.process_allgather(value, tiled=True)
+        value = np.ascontiguousarray(np.asarray(value)[tuple(slice(0, n) for n in leaf.shape)])
+        out[leaf.name] = zlib.crc32(value.reshape(-1).view(np.uint8))
+    return out
 
 
 def from_error(error: BaseException, step_dir: str, what: str) -> Damaged:

@@ -1,6 +1,4 @@
-"""How jdp's checkpoints use orbax: the manager, the items of a step, and the directory's layout.
-
-Imported only inside the Checkpointer's methods, so that `import jdp` does not load orbax.
+"""How jdp's checkpoints use orbax (imported by the first Checkpointer, not by `import jdp`).
 
 A checkpoint directory holds finished steps `<step>/` (each with orbax's commit marker), the
 tmp directories of unfinished saves, and `.jdp-deleting/`, where old steps are renamed before
@@ -58,8 +56,7 @@ class RecordSave(ocp.args.CheckpointArgs):
 
 
 class RecordHandler(ocp.AsyncCheckpointHandler):
-    """Writes `integrity/metadata` (process 0) or `metadata.process_<i>` in orbax's write
-    (in the background with `async_save`), which finishes before the step is committed."""
+    """Writes `integrity/metadata` (process 0) or `metadata.process_<i>` before the commit."""
 
     async def async_save(self, directory: epath.Path, args: RecordSave) -> list:
         async def write():
@@ -97,8 +94,7 @@ def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
 
 
 def save_args(found: list, make_record: Callable[[], dict], position: Any) -> Any:
-    """The items of one checkpoint, for `CheckpointManager.save`: the arrays of `found` as
-    a nested dict of their names, the record, the loader's position."""
+    """The items of one checkpoint: the arrays of `found` as a nested dict, record, position."""
     state = traverse_util.unflatten_dict({leaf.keys: leaf.leaf for leaf in found})
     items = {STATE: ocp.args.PyTreeSave(state), INTEGRITY: RecordSave(make_record)}
     if position is not None:
@@ -107,8 +103,8 @@ def save_args(found: list, make_record: Callable[[], dict], position: Any) -> An
 
 
 def restore_args(found: list, loader: bool) -> Any:
-    """The items to read: each array as its template leaf is (numpy, or a global array with
-    its sharding and shape: strict=False cuts or zero-fills ZeRO's padding), and the loader."""
+    """The items to read: each array as its template leaf is (strict=False cuts or zero-fills
+    ZeRO's padding), and the loader."""
     targets = {leaf.keys: _target(leaf) for leaf in found}
     items = {STATE: ocp.args.PyTreeRestore(
         traverse_util.unflatten_dict({k: t[0] for k, t in targets.items()}),
@@ -155,6 +151,5 @@ def remove_leftovers(root: epath.Path) -> None:
 
 def empty_trash(root: epath.Path) -> None:
     """Delete the old steps that orbax's max_to_keep renamed into the trash."""
-    trash = root / TRASH
-    if trash.exists():
-        trash.rmtree()
+    if (root / TRASH).exists():
+        (root / TRASH).rmtree()

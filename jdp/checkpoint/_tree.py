@@ -1,9 +1,8 @@
 """A train state as a checkpoint sees it: its array leaves, each with a name and a logical shape.
 
-ZeRO's optimizer state (`jdp.broadcast(state, shard_optimizer=True)`) is stored padded on the
-leading axis to a multiple of the device count. The checkpoint records the logical shape; orbax
-writes the padded shards as they are and, at restore, cuts or zero-fills the padding to the
-target's shape, so 8 devices sharded -> 2 devices unsharded works.
+ZeRO stores optimizer-state leaves padded on the leading axis to a multiple of the device count.
+The checkpoint records the logical shape; orbax writes the padded shards as they are and cuts or
+zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 unsharded works.
 """
 from __future__ import annotations
 
@@ -14,11 +13,7 @@ import numpy as np
 
 
 class Leaf(NamedTuple):
-    """One array leaf of a state: its checkpoint name and its logical form.
-
-    `shape` is the logical shape (what is recorded and compared); `physical` the shape as
-    stored in this state (larger on the leading axis for ZeRO's padding).
-    """
+    """One array leaf: `shape` is logical (recorded, compared), `physical` as stored here."""
     keys: tuple[str, ...]
     leaf: Any
     shape: tuple[int, ...]
@@ -56,22 +51,15 @@ def _keys(path: Any) -> tuple[str, ...]:
 
 
 def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{keys: logical shape} of optimizer-state leaves stored padded on their leading axis.
-
-    ZeRO (`jdp.broadcast(state, shard_optimizer=True)`) pads each optimizer-state leaf to a
-    multiple of the device count; the logical leaf is what `tx.init(params)` makes. The
-    checkpoint records and compares logical shapes, so it restores onto any device count.
-    """
-    if not all(hasattr(state, a) for a in ("tx", "params", "opt_state")):
-        return {}
+    """{keys: logical shape} of ZeRO's padded optimizer-state leaves (`tx.init(params)`'s)."""
     try:
-        logical = jax.eval_shape(state.tx.init, state.params)
-    except Exception:  # noqa: BLE001 - not an optax state we understand: no padding assumed
+        opt_state, logical = state.opt_state, jax.eval_shape(state.tx.init, state.params)
+    except Exception:  # noqa: BLE001 - not an optax train state we understand: no padding
         return {}
-    if jax.tree.structure(logical) != jax.tree.structure(state.opt_state):
+    if jax.tree.structure(logical) != jax.tree.structure(opt_state):
         return {}
     out = {}
-    stored = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+    stored = jax.tree_util.tree_flatten_with_path(opt_state)[0]
     for (path, x), want in zip(stored, jax.tree.leaves(logical), strict=True):
         shape = tuple(want.shape)
         if shape and x.shape != shape and x.shape[1:] == shape[1:] and x.shape[0] > shape[0]:
@@ -80,8 +68,7 @@ def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...
 
 
 def restored(leaf: Leaf, value: Any) -> Any:
-    """A restored value as the template leaf holds it: numpy for numpy (ZeRO's padding cut or
-    zero-filled to the template's), the global array orbax placed otherwise."""
+    """A restored value as the template leaf holds it (numpy: with the template's padding)."""
     if not isinstance(leaf.leaf, np.ndarray):
         return value
     value = np.asarray(value)[tuple(slice(0, n) for n in leaf.shape)]
