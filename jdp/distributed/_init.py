@@ -25,15 +25,13 @@ from jax._src import distributed as _jax_distributed  # no public API: see above
 from jdp.launch import _env, _malloc, _net, _run
 from jdp.distributed import _rendezvous
 
-DEFAULT_INIT_TIMEOUT = 60
-DEFAULT_HEARTBEAT_TIMEOUT = 30
-# Long on purpose: a rank that finishes waits here for the others, and JAX aborts *every*
-# process when this runs out (measured), e.g. while process 0 still writes its last checkpoint.
-# Dead peers are caught by the heartbeat, not by this.
-DEFAULT_SHUTDOWN_TIMEOUT = 300
-_TIMEOUT_ENV = {"initialization_timeout": (_env.INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT),
-                "heartbeat_timeout": (_env.HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT),
-                "shutdown_timeout": (_env.SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)}
+# argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
+# a rank that finishes waits there for the others, and JAX aborts *every* process when it runs
+# out (measured), e.g. while process 0 still writes its last checkpoint. Dead peers are caught
+# by the heartbeat, not by it.
+_TIMEOUT_ENV = {"initialization_timeout": (_env.INIT_TIMEOUT, 60),
+                "heartbeat_timeout": (_env.HEARTBEAT_TIMEOUT, 30),
+                "shutdown_timeout": (_env.SHUTDOWN_TIMEOUT, 300)}
 
 
 class _Plan(NamedTuple):
@@ -63,13 +61,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     Calling it again is a no-op; calling it again with a different job raises RuntimeError.
     It also tunes glibc's allocator so XLA:CPU reuses its per-step scratch memory (~1.7x on a
     CPU step, same results; `JDP_MALLOC_TUNING=0` turns it off; see `jdp.launch._malloc`).
-    Before JAX's own join every process reports to process 0 on the coordinator port (a plain
-    TCP roll call, `_rendezvous`), so a missing process is named in a TimeoutError instead
-    of JAX aborting process 0. On a multi-process job an uncaught exception prints its
-    traceback and ends the process at once with code 1, and an uncaught `sys.exit(n)` ends it
-    at once with n, since JAX's exit handler would otherwise wait for the peers and then abort
-    (this holds under mpirun/srun too, without jdp's launcher; a bare `raise SystemExit(n)`
-    is not seen early and still waits).
+    Every process first reports to process 0 on the coordinator port (`_rendezvous`), so a
+    missing process is named in a TimeoutError instead of JAX aborting process 0. On a
+    multi-process job an uncaught exception (code 1) or `sys.exit(n)` (code n) ends the
+    process at once instead of waiting in JAX's exit handler, under mpirun/srun too (a bare
+    `raise SystemExit(n)` still waits).
 
     Args:
         coordinator_address: "host:port" of process 0's coordinator service.
@@ -100,8 +96,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     env = os.environ
     _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp.launch._malloc
     timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
-                (("initialization_timeout", initialization_timeout),
-                 ("heartbeat_timeout", heartbeat_timeout), ("shutdown_timeout", shutdown_timeout))}
+                zip(_TIMEOUT_ENV, (initialization_timeout, heartbeat_timeout, shutdown_timeout))}
     plan = _plan(coordinator_address, num_processes, process_id, local_device_ids,
                  cluster_detection_method, env)
     if plan is None or _already_initialized(plan):
@@ -128,18 +123,6 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
         raise ValueError(f"WORLD_SIZE / num_processes={num_processes} must be >= 1")
     if num_processes == 1 and process_id in (None, 0):
         return None
-    _check_complete(coordinator_address, num_processes, process_id)
-    if not 0 <= process_id < num_processes:
-        raise ValueError(f"RANK / process_id={process_id} is outside 0..{num_processes - 1} "
-                         f"(WORLD_SIZE={num_processes}); give each process a distinct RANK below "
-                         "WORLD_SIZE")
-    _net.split_host_port(coordinator_address)
-    return _Plan(coordinator_address, num_processes, process_id,
-                 _local_devices(local_device_ids, env), None)
-
-
-def _check_complete(coordinator_address, num_processes, process_id) -> None:
-    """Raise naming whichever of address / world size / rank is still missing."""
     missing = [name for name, value in (("MASTER_ADDR and MASTER_PORT (coordinator_address)",
                                          coordinator_address),
                                         ("WORLD_SIZE (num_processes)", num_processes),
@@ -147,6 +130,13 @@ def _check_complete(coordinator_address, num_processes, process_id) -> None:
     if missing:
         raise ValueError(f"a multi-process job needs {', '.join(missing)} as well; set them, or "
                          "start it with `python -m jdp.launch --nproc_per_node N script.py`")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"RANK / process_id={process_id} is outside 0..{num_processes - 1} "
+                         f"(WORLD_SIZE={num_processes}); give each process a distinct RANK below "
+                         "WORLD_SIZE")
+    _net.split_host_port(coordinator_address)
+    return _Plan(coordinator_address, num_processes, process_id,
+                 _local_devices(local_device_ids, env), None)
 
 
 def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None:
@@ -193,8 +183,7 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
             raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address; set it to "
                              "the IP address or host name of the machine that runs process 0")
         if plan.process_id == 0:
-            problem = _net.port_problem(host, port)
-            if problem:
+            if problem := _net.port_problem(host, port):
                 raise ValueError(problem)
             bind = plan.coordinator  # this interface only, not every interface of the host
         timeout = _roll_call(host, port, plan, initialization_timeout)
@@ -204,36 +193,25 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
         jax.config.update("jax_enable_preemption_service", False)
     hint = _abort_hint(plan, timeout) if plan.coordinator is not None else None
     try:
-        _jax_initialize(
+        jax.distributed.initialize(
             coordinator_address=plan.coordinator, num_processes=plan.num_processes,
             process_id=plan.process_id, local_device_ids=plan.local_device_ids,
             cluster_detection_method=None if plan.cluster == "auto" else plan.cluster,
             initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout,
             shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
-    finally:
-        if hint is not None:
-            hint.cancel()
-
-
-def _jax_initialize(**kwargs) -> None:
-    """`jax.distributed.initialize`, with its "too late" RuntimeError saying what to do."""
-    try:
-        jax.distributed.initialize(**kwargs)
-    except RuntimeError as e:
+    except RuntimeError as e:   # JAX's "too late", made to say what to do
         if "before any JAX" not in str(e) and "must be called before" not in str(e):
             raise
         raise RuntimeError("jdp.initialize() must run before anything uses a JAX device "
                            "(jax.devices(), creating an array, jit, ...); call it first in "
                            "main") from None
+    finally:
+        if hint is not None:
+            hint.cancel()
 
 
 def _roll_call(host: str, port: int, plan: _Plan, timeout: int) -> int:
-    """Every process reports to process 0 before JAX's join; return the seconds left.
-
-    JAX aborts the processes (SIGABRT, C++ stack dump) when one never joins; the roll call
-    (`_rendezvous`) turns that into a TimeoutError naming the missing processes on
-    process 0 and the coordinator's address on the others.
-    """
+    """Every process reports to process 0 (`_rendezvous`) before JAX's join; the seconds left."""
     start = time.monotonic()
     if plan.process_id == 0:
         _rendezvous.gather(host, port, plan.num_processes, timeout)
@@ -243,11 +221,8 @@ def _roll_call(host: str, port: int, plan: _Plan, timeout: int) -> int:
 
 
 def _abort_hint(plan: _Plan, timeout: int) -> threading.Timer:
-    """A timer that explains what went wrong when JAX's join times out.
-
-    JAX then aborts the process (SIGABRT, measured ~5 s after `timeout`) with a C++ message
-    that does not say which setting to check.
-    """
+    """A timer that names the settings to check when JAX's join times out (JAX then aborts,
+    SIGABRT ~5 s later, with a C++ message that names none)."""
     message = (f"jdp: process {plan.process_id} has waited {timeout} s for all "
                f"{plan.num_processes} processes to join at {plan.coordinator}; JAX will abort "
                "shortly. Check that every rank was started with the same MASTER_ADDR, "
@@ -276,13 +251,10 @@ def _already_initialized(plan: _Plan) -> bool:
 def _install_fail_fast_excepthook() -> None:
     """Make a failing process leave at once: uncaught exceptions exit 1, `sys.exit(n)` exits n.
 
-    Without it the process would sit in JAX's exit handler until every peer exits (up to the
-    shutdown timeout) and then die by SIGABRT, hiding the real error and its exit code. This
-    is what gives a job run by mpirun or srun (no jdp runner around the script) the
-    launcher's behaviour. `sys.exit` is replaced by one whose SystemExit, when nothing catches
-    it, ends the process with its code before atexit (`_run.PromptExit`); code that catches
-    SystemExit still can. A bare `raise SystemExit(n)` cannot be seen early and still waits.
-    Interactive sessions keep Python's behaviour.
+    Otherwise it would sit in JAX's exit handler until every peer exits, then die by SIGABRT,
+    hiding the error and its code. An uncaught SystemExit of the replaced `sys.exit` ends the
+    process before atexit (`_run.PromptExit`); a caught one changes nothing. Interactive
+    sessions keep Python's behaviour.
     """
     if getattr(sys.excepthook, "_jdp_previous", None) or hasattr(sys, "ps1"):
         return

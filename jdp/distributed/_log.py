@@ -43,8 +43,6 @@ def get_logger(name: str = "jdp", level: int = logging.INFO,
     Safe to create at import time, before `initialize`: the rank is looked up per record.
 
     Args:
-        name: logger name.
-        level: level of the logger.
         all_ranks: let every process log at `level`, not only process 0 (warnings and errors
             always come from every process).
 

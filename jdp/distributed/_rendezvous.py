@@ -17,11 +17,8 @@ _HELLO_S = 2.0          # how long a connection may take to say which process it
 
 
 def gather(host: str, port: int, world: int, timeout_s: float) -> None:
-    """Process 0: wait until processes 1..world-1 have reported, then let them all go.
-
-    Raises:
-        TimeoutError: naming the processes that did not report within `timeout_s`.
-    """
+    """Process 0: wait until processes 1..world-1 have reported, then let them all go;
+    TimeoutError naming the processes that did not report within `timeout_s`."""
     joined: dict = {}
     deadline = time.monotonic() + timeout_s
     with _net.listen(host, port, world + 8) as server:
@@ -50,11 +47,8 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> None:
 
 
 def report(host: str, port: int, rank: int, timeout_s: float) -> None:
-    """Process `rank` > 0: report to process 0 and wait for its "go".
-
-    Raises:
-        TimeoutError: process 0 did not answer within `timeout_s`.
-    """
+    """Process `rank` > 0: report to process 0 and wait for its "go" (TimeoutError if process
+    0 did not answer within `timeout_s`)."""
     deadline = time.monotonic() + timeout_s
     while (conn := _net.connect(host, port, deadline - time.monotonic())) is not None:
         with conn:

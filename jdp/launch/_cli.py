@@ -1,8 +1,6 @@
 """The launcher's command line: `python -m jdp.launch` / `jdp-launch`.
 
-It parses and checks the arguments (bad ones exit 2 before anything starts), then runs the job
-in rounds (`_rounds`), each round one `_supervisor.run` of this node's ranks. The help text
-below is the manual; docs/launch.md and docs/faults.md tell the longer story.
+Its help text below is the manual; docs/launch.md and docs/faults.md tell the longer story.
 """
 from __future__ import annotations
 
@@ -110,12 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="K",
                    help="after a failure, stop all processes and start all again, up to K times\n"
                         "(default 0); each node restarts its own processes")
-    p.add_argument("--progress_timeout", "--progress-timeout", type=float,
-                   default=None, metavar="S",
+    p.add_argument("--progress_timeout", "--progress-timeout", type=float, metavar="S",
                    help="stop the job when no rank made progress for S seconds (default off;\n"
                         "env JDP_PROGRESS_TIMEOUT); see 'stuck ranks' below")
-    p.add_argument("--stop_grace", "--stop-grace", type=float,
-                   default=None, metavar="S",
+    p.add_argument("--stop_grace", "--stop-grace", type=float, metavar="S",
                    help="after SIGTERM, seconds the processes get to save and leave\n"
                         "before SIGKILL (default 30; env JDP_STOP_GRACE)")
     p.add_argument("--compilation_cache", "--compilation-cache", default=None, metavar="DIR",
@@ -134,8 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line; bad values exit with status 2 before anything starts."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = _problem(args)
-    if problem:
+    if problem := _problem(args):
         parser.error(problem)
     return args
 
@@ -194,13 +189,9 @@ def _seconds_problem(args: argparse.Namespace, name: str, env_name: str,
 
 def _script_problem(args: argparse.Namespace) -> str | None:
     """A missing script or program (modules are checked by Python in each process)."""
-    if args.module:
-        return None
-    if args.no_python:
-        if shutil.which(args.script) is None:
-            return f"program {args.script!r} is not an executable file or on PATH"
-        return None
-    if not os.path.isfile(args.script):
+    if args.no_python and not args.module and shutil.which(args.script) is None:
+        return f"program {args.script!r} is not an executable file or on PATH"
+    if not (args.module or args.no_python or os.path.isfile(args.script)):
         return (f"script {args.script!r} does not exist (relative to {os.getcwd()}); check the "
                 "path, or pass -m for a module")
     return None
@@ -259,11 +250,8 @@ def launch(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _compilation_cache(args: argparse.Namespace):
-    """The environment that turns on JAX's persistent compilation cache for every process.
-
-    Yields {} when the user chose the directory already (JAX_COMPILATION_CACHE_DIR) or said
-    --compilation_cache off. A temporary directory lives as long as the launcher.
-    """
+    """The environment that turns on JAX's persistent compilation cache for every process
+    ({} when the user set JAX_COMPILATION_CACHE_DIR or said --compilation_cache off)."""
     if args.compilation_cache == "off" or _env.COMPILATION_CACHE in os.environ:
         yield {}
         return

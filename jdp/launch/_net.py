@@ -27,18 +27,11 @@ def join_host_port(host: str, port: int) -> str:
 
 
 def port_problem(host: str, port: int, what: str = "MASTER_PORT") -> str | None:
-    """Why the coordinator could not listen on `host:port` here, or None if it could.
+    """Why the coordinator could not listen on `host:port` here (a one-line message naming
+    the setting `what` and the fix), or None if it could.
 
     The test is a real bind with SO_REUSEADDR (as gRPC does), so ports in TIME_WAIT count as
     free but a port with a listener does not.
-
-    Args:
-        host: the address process 0 binds (MASTER_ADDR).
-        port: the coordinator port.
-        what: the name of the setting, used in the message.
-
-    Returns:
-        A one-line message naming the value and the fix, or None when the port is usable.
     """
     try:
         family, sockaddr = resolve(host, port)
@@ -70,11 +63,8 @@ def resolves(host: str) -> bool:
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """("host", port) from "host:port" / "[v6]:port" (the inverse of join_host_port).
-
-    Raises:
-        ValueError: naming `address` when it is not of that form with a port in 1..65535.
-    """
+    """("host", port) from "host:port" / "[v6]:port" (the inverse of join_host_port);
+    ValueError naming `address` when it is not of that form with a port in 1..65535."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"coordinator address {address!r} is not 'host:port' with a port in "
@@ -97,10 +87,8 @@ def send(conn: socket.socket, message: dict) -> None:
 
 
 def receive(conn: socket.socket, out: queue.Queue, tag: object = None) -> None:
-    """Put every message read from `conn` into `out` as (tag, message); (tag, None) at the end.
-
-    Runs until the connection closes or breaks (meant for a thread of its own).
-    """
+    """Put every message read from `conn` into `out` as (tag, message), then (tag, None) once
+    the connection closes or breaks (meant for a thread of its own)."""
     buffer = b""
     try:
         while chunk := conn.recv(65536):

@@ -6,12 +6,10 @@ the phase there (one struct write, well under a microsecond, no system call), an
 supervisor's watchdog reads every slot to see who is moving and who is behind. Without a
 supervisor `record` does nothing.
 
-Preemption: the first call of `preempted()` makes this process catch SIGTERM (from the
-launcher, SLURM, Kubernetes, a spot VM's notice) instead of dying of it: the handler only sets
-a flag. jdp's train step carries the flag in the all-reduce it already does and hands the
-result to `set_agreed`, so `preempted()` turns True on every rank at the same step. A second
-SIGTERM (a second or more after the first) or SIGKILL still ends the process. A process that
-never asks `preempted()` keeps Python's default: SIGTERM ends it.
+Preemption: from its first call `preempted()` makes SIGTERM (from the launcher, SLURM,
+Kubernetes, a spot VM's notice) only set a flag, which jdp's train step carries in the
+all-reduce it already does and hands to `set_agreed`. A second SIGTERM (a second or more after
+the first) or SIGKILL still ends the process.
 """
 from __future__ import annotations
 
@@ -45,7 +43,6 @@ def record(phase: str, step: int | None = None) -> None:
     """Note that this rank made progress (`phase`: "step", "data", "eval", "checkpoint").
 
     `step` is the number of training steps this process has run, when the caller knows it.
-    Cheap enough to call per batch; a no-op when no launcher watches this process.
     """
     global _count, _step
     slot = _slot if _slot is not None else _open_slot()
@@ -60,20 +57,11 @@ def record(phase: str, step: int | None = None) -> None:
 def _open_slot() -> mmap.mmap | bool:
     """Map this rank's slot file ($JDP_PROGRESS_FILE), or False when there is none."""
     global _slot
-    path = os.environ.get(_env.PROGRESS_FILE)
     try:
-        fd = os.open(path, os.O_RDWR) if path else -1
-    except OSError:
-        fd = -1
-    if fd < 0:
+        with open(os.environ[_env.PROGRESS_FILE], "r+b") as f:
+            _slot = mmap.mmap(f.fileno(), SLOT_SIZE)   # the map outlives the file
+    except (KeyError, OSError, ValueError):
         _slot = False
-        return _slot
-    try:
-        _slot = mmap.mmap(fd, SLOT_SIZE)
-    except (OSError, ValueError):
-        _slot = False
-    finally:
-        os.close(fd)
     return _slot
 
 

@@ -45,8 +45,7 @@ def run(job: Job, max_restarts: int, rdzv: tuple | None,
         rdzv: (host, port) of node 0's keeper when there are several nodes, else None.
         run_round: runs this node's ranks for round r until they end or the event is set.
     """
-    keeper = Keeper(job.nnodes, max_restarts, rdzv if job.nnodes > 1 else None) if (
-        job.node == 0) else None
+    keeper = Keeper(job.nnodes, max_restarts, rdzv) if job.node == 0 else None
     try:
         conn = keeper.connect_local() if keeper else _net.connect(*rdzv, JOIN_TIMEOUT_S)
         if conn is None:

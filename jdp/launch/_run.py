@@ -8,16 +8,15 @@ which may set JAX_PLATFORMS or XLA_FLAGS itself. So this file imports the standa
 and no sibling module: it holds the names of the variables it reads, and the exit functions
 that `jdp.initialize()` also installs for jobs started by mpirun or srun.
 
-Before the user's code runs it arranges (Linux) that the rank dies with its supervisor, even
-a SIGKILLed one, and that SIGUSR1 dumps every Python thread's stack into $JDP_STACK_FILE (the
-progress watchdog's view of a stuck rank). A failing rank (an exception, or `sys.exit(n)` with
-n != 0) prints its traceback and leaves with `os._exit(code)` at once: once `jax.distributed`
-is initialised, JAX's atexit handler would otherwise wait in a shutdown barrier for every peer
-and then die by SIGABRT, losing the code. A rank that succeeds exits normally, so JAX's
-shutdown barrier still lines up the ranks that finish together.
+A failing rank (an exception, or `sys.exit(n)` with n != 0) prints its traceback and leaves
+with `os._exit(code)` at once: once `jax.distributed` is initialised, JAX's atexit handler
+would otherwise wait in a shutdown barrier for every peer and then die by SIGABRT, losing the
+code. A rank that succeeds exits normally, so JAX's shutdown barrier still lines up the ranks
+that finish together.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -43,10 +42,7 @@ _stack_file = None   # kept open: faulthandler writes to its descriptor
 
 
 def exit_now(code: int) -> NoReturn:
-    """Flush stdout, stderr and logging, then end the process with `code`, skipping atexit.
-
-    Skipping atexit is the point: JAX's handler would wait for the other ranks.
-    """
+    """Flush stdout, stderr and logging, then end the process with `code`, skipping atexit."""
     import logging
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -68,11 +64,8 @@ def report_failure(code: int = 1, exc: BaseException | None = None) -> NoReturn:
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
     sys.stderr.write(text)
     if os.environ.get(ERROR_FILE):
-        try:
-            with open(os.environ[ERROR_FILE], "w") as f:
-                f.write(text)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(os.environ[ERROR_FILE], "w") as f:
+            f.write(text)
     if _lost_peer(exc):
         sys.stderr.flush()
         time.sleep(LOST_PEER_DELAY_S)
@@ -132,9 +125,7 @@ def system_exit_code(exc: SystemExit) -> int:
 def guarded(target: Callable[[], object]) -> None:
     """Call `target`; on failure leave the process at once with the failure's exit code.
 
-    `sys.exit(0)` and normal returns come back to the caller, so the interpreter exits the
-    usual way (atexit handlers included).
-    """
+    `sys.exit(0)` and normal returns come back, so the interpreter exits the usual way."""
     try:
         target()
     except SystemExit as e:
@@ -198,8 +189,7 @@ def _run_spawned(payload: str) -> None:
 
 
 def main(argv: list) -> None:
-    """Dispatch on the first argument: `--spawn PAYLOAD`, `--exec PROGRAM ...`, `-m MODULE ...`
-    or `SCRIPT ...`."""
+    """Run what `argv` names: `--spawn PAYLOAD`, `--exec PROGRAM`, `-m MODULE` or `SCRIPT`."""
     die_with_supervisor()
     if not argv or argv[0] in ("--exec", "--spawn", "-m") and len(argv) < 2:
         sys.exit("usage: _run.py [--spawn PAYLOAD | --exec PROGRAM | -m MODULE | SCRIPT] [ARGS]")

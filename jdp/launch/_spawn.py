@@ -1,13 +1,12 @@
 """`jdp.spawn`: run `fn(rank, *args)` in N fresh processes that form one job.
 
-The launcher's job from inside Python (a test, a notebook, a script that wants to own its
-processes): each rank is a fresh interpreter (never a fork: JAX is not fork-safe) with the
-launcher's environment, `jdp.initialize()` already done, and is watched by the same supervise
-loop as `jdp.launch`. A failing rank stops the others and makes the parent raise with that
-rank's traceback.
+The launcher's job from inside Python (a test, a notebook, a script that owns its processes):
+each rank is a fresh interpreter (never a fork: JAX is not fork-safe) watched by the same
+supervise loop as `jdp.launch`.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.spawn
 import os
 import pickle
@@ -63,10 +62,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         devices_per_process: give each process this many simulated CPU devices (sets XLA_FLAGS
             before jax is imported there); None keeps this process's XLA_FLAGS.
         timeout: seconds after which all processes are stopped and TimeoutError is raised.
-        progress_timeout: the launcher's --progress_timeout: once a rank recorded progress
-            (jdp's steps, Loader, Checkpointer do), this many seconds without progress on any
-            rank stop all and raise TimeoutError naming the ranks behind, with their stacks.
-            None reads JDP_PROGRESS_TIMEOUT, else off.
+        progress_timeout: the launcher's --progress_timeout: once a rank recorded progress,
+            this many seconds without progress on any rank stop all and raise TimeoutError
+            naming the ranks behind, with their stacks. None reads JDP_PROGRESS_TIMEOUT.
         stop_grace: after SIGTERM to this process, seconds the ranks get to save and leave
             (see `jdp.preempted`) before SIGKILL.
 
@@ -91,7 +89,10 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
     with tempfile.TemporaryDirectory(prefix="jdp-spawn-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
-            pickle.dump(_preparation_data(), f)
+            # multiprocessing's recipe, so `fn` may live in the main script; the authkey as
+            # plain bytes: multiprocessing refuses to pickle its wrapper outside its start-up.
+            preparation = multiprocessing.spawn.get_preparation_data(WHO)
+            pickle.dump({**preparation, "authkey": bytes(preparation["authkey"])}, f)
             f.write(_pickled(fn, args))
         cmd = [sys.executable, "-u", _supervisor.RUNNER, "--spawn", payload]
         port = _net.free_port()
@@ -128,17 +129,6 @@ def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
         raise ValueError(f"fn={fn.__qualname__} is defined in an interactive session, which new "
                          "processes cannot import; define it in a module (a .py file) and "
                          "import it from there")
-
-
-def _preparation_data() -> dict:
-    """What a new process needs to look like this one: import path, cwd, how to import __main__.
-
-    multiprocessing's own recipe, so `fn` may live in the main script. The authkey is a plain
-    bytes copy: multiprocessing refuses to pickle its wrapper outside its own process start-up.
-    """
-    data = multiprocessing.spawn.get_preparation_data(WHO)
-    data["authkey"] = bytes(data["authkey"])
-    return data
 
 
 def _pickled(fn: Callable, args: Sequence[Any]) -> bytes:
@@ -180,8 +170,7 @@ def run_rank(payload: str) -> None:
     """In a spawned rank (after `_run.py` imported the parent's main): initialize, fn(rank, *args).
 
     The payload holds two pickles: multiprocessing's preparation data (read by `_run.py`),
-    then (fn, args). It is deleted as soon as every rank has read it (it holds the parent's
-    authkey): the last reader removes it.
+    then (fn, args); it holds the parent's authkey, so the last rank to read it deletes it.
     """
     from jdp.distributed import initialize
     with open(payload, "rb") as f:
@@ -198,7 +187,5 @@ def _mark_read(payload: str) -> None:
     open(os.path.join(directory, f"read.{os.environ[_env.RANK]}"), "w").close()
     world = int(os.environ[_env.WORLD_SIZE])
     if all(os.path.exists(os.path.join(directory, f"read.{r}")) for r in range(world)):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(payload)
-        except FileNotFoundError:
-            pass

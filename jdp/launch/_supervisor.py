@@ -2,14 +2,11 @@
 
 Every rank is a subprocess in its own session (process group), so a signal to the group
 reaches anything the rank started too. A waiter thread per rank reports its exit the moment
-it happens, in order (and a rank whose collective lost a peer lingers a moment before leaving,
-see `_run.report_failure`), so the failure reported is the first one, the cause, not its echo
-in the peers. On the first non-zero exit the loop stops every other rank (SIGTERM, SIGKILL
-after a short grace period). With a progress timeout it also runs the watchdog and stops a
-round that no longer moves. SIGTERM to the supervisor is a stop request (preemption): it is
-forwarded to every rank, which may save and leave within the stop grace period before
-SIGKILL; SIGINT is forwarded with the short grace. Ranks run through `_run.py`, which on Linux
-sets PR_SET_PDEATHSIG, so a rank dies with the supervisor even if that is SIGKILLed.
+it happens (a rank whose collective lost a peer lingers a moment, see `_run.report_failure`),
+so the failure reported is the first one, the cause, not its echo in the peers; the loop then
+stops every other rank. SIGTERM to the supervisor is a stop request (preemption), forwarded
+to every rank, which may save and leave within the stop grace period; SIGINT gets the short
+grace. A rank dies with the supervisor even if that is SIGKILLed (`_run.die_with_supervisor`).
 """
 from __future__ import annotations
 
@@ -77,14 +74,9 @@ class _Rank(NamedTuple):
 def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,
              local_world_size: int, node_rank: int, master_addr: str, master_port: int,
              restart_count: int = 0, devices_per_process: int | None = None) -> dict:
-    """The environment of one rank: `base` plus the variables `jdp.initialize` reads.
-
-    Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
-    JDP_RESTART_COUNT and PYTHONUNBUFFERED=1; with `devices_per_process`, XLA_FLAGS gets
-    --xla_force_host_platform_device_count=k (simulated CPU devices); glibc's allocator
-    settings of `_malloc` unless JDP_MALLOC_TUNING=0 or the user set them. Variables
-    meant for one supervisor's own ranks are dropped from `base`.
-    """
+    """One rank's environment: `base` (less one supervisor's internal variables), the
+    `_env.RANK_VARS` that `jdp.initialize` reads, PYTHONUNBUFFERED=1, `_malloc.child_env`'s
+    settings and, with `devices_per_process` k, --xla_force_host_platform_device_count=k."""
     env = {k: v for k, v in base.items() if k not in _env.INTERNAL_VARS}
     values = (rank, local_rank, world_size, local_world_size, node_rank, master_addr,
               master_port, restart_count)
@@ -94,7 +86,6 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES)]
         env["XLA_FLAGS"] = " ".join([*flags, f"{_HOST_DEVICES}={devices_per_process}"])
     return _malloc.child_env(env)
-
 
 
 def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DEFAULT_LIMITS,
@@ -113,7 +104,7 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
         The Outcome: success, or the first failed rank, signal, deadline or stall that ended it.
     """
     received: list = []
-    restore = _catch_signals(received)
+    previous = _catch_signals(received)
     ranks: list = []
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="jdp-watch-") if limits.progress_timeout_s else None
@@ -127,7 +118,8 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
         outcome = _supervise(ranks, events, received, limits, watchdog, start, stop)
     finally:
         _stop(ranks, signal.SIGTERM, limits.grace_s)
-        restore()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for r in ranks:
             for t in r.threads:
                 t.join(timeout=1.0)
@@ -197,7 +189,7 @@ def _stalled(ranks: list, progress: list, limits: Limits, seconds: float) -> Out
     by_rank = {r.spec.rank: r for r in ranks}
     pids = {p.rank: by_rank[p.rank].proc.pid for p in late
             if by_rank[p.rank].proc.returncode is None}
-    stacks = _watchdog.dump_stacks(pids, {rank: _stack_path(by_rank[rank].spec.env)
+    stacks = _watchdog.dump_stacks(pids, {rank: by_rank[rank].spec.env.get(_env.STACK_FILE, "")
                                           for rank in pids})
     return Outcome(State.STALLED, seconds, Stall(progress, stacks))
 
@@ -208,10 +200,6 @@ def _alive(ranks: list) -> list:
 
 def _slot_path(workdir: str, rank: int) -> str:
     return os.path.join(workdir, f"progress.{rank}")
-
-
-def _stack_path(env: Mapping[str, str]) -> str:
-    return env.get(_env.STACK_FILE, "")
 
 
 def _watch_files(workdir: str | None, rank: int) -> dict:
@@ -264,7 +252,6 @@ def _pump(pipe: IO[bytes], file: IO[str] | None, console: bool, stream: str, pre
     """Copy a rank's output line by line to its log file and/or our console (prefixed).
 
     Reads to the end even when a destination fails, so a rank never blocks on a full pipe.
-    gloo's connection lines go to the file only.
     """
     with pipe:
         for raw in iter(pipe.readline, b""):
@@ -317,15 +304,11 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _catch_signals(received: list):
-    """Record SIGINT/SIGTERM in `received` instead of dying; return a function that undoes it."""
+def _catch_signals(received: list) -> dict:
+    """Record SIGINT/SIGTERM in `received` instead of dying; return the handlers they replace."""
     if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+        return {}
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in previous:
         signal.signal(s, lambda signum, frame: received.append(signum))
-
-    def restore() -> None:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return restore
+    return previous

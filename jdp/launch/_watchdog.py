@@ -1,11 +1,10 @@
 """The supervisor's progress watchdog: notice a job that stopped moving, and say who is behind.
 
-Each rank writes its progress into a slot file (`_progress`); the watchdog reads every
-slot about twice a second and remembers, by its own clock, when each slot last changed. When no
-rank has moved for `timeout_s`, the job is stuck: a rank blocked outside a collective (a hung
-read, a deadlock, a `time.sleep`) leaves its peers waiting inside the next collective, so the
-ranks with the fewest steps are the ones to look at. The watchdog arms only once some rank has
-recorded progress, so start-up and the first compilation are never timed.
+The watchdog reads every rank's slot file (`_progress`) about twice a second and remembers, by
+its own clock, when each last changed; it arms only once some rank recorded progress, so
+start-up and the first compilation are never timed. A rank blocked outside a collective (a hung
+read, a deadlock) leaves its peers waiting inside the next one, so the ranks with the fewest
+steps are the ones to look at.
 """
 from __future__ import annotations
 
@@ -63,7 +62,9 @@ def describe(progress: list) -> str:
     """'rank 1 stuck at step 5 in phase data; rank 0 waiting at step 6 (phase step)'."""
     late = behind(progress)
     ahead = [p for p in progress if p not in late]
-    parts = [f"rank {p.rank} stuck {_at(p)} in phase {p.phase}" for p in late]
+    parts = [f"rank {p.rank} stuck "
+             f"{f'at step {p.step}' if p.step >= 0 else 'before its first step'} in phase {p.phase}"
+             for p in late]
     if ahead:
         groups: dict = {}
         for p in ahead:
@@ -71,10 +72,6 @@ def describe(progress: list) -> str:
         parts += [f"rank{'s' if len(r) > 1 else ''} {', '.join(r)} waiting at step {step}"
                   for step, r in sorted(groups.items())]
     return "; ".join(parts)
-
-
-def _at(p: RankProgress) -> str:
-    return f"at step {p.step}" if p.step >= 0 else "before its first step"
 
 
 def dump_stacks(pids: dict, stack_files: dict) -> dict:
