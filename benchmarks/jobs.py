@@ -1,7 +1,8 @@
 """The benchmark jobs: one command line and environment per configuration.
 
 "default" jobs run with glibc's malloc defaults (`JDP_MALLOC_TUNING=0`), "tuned" ones with
-jdp's allocator settings (`jdp.launch._malloc.ENV`, read by glibc at start, as the launcher sets them).
+jdp's allocator settings (`jdp.launch._malloc.ENV`, read by glibc at start, as the launcher
+sets them).
 """
 from __future__ import annotations
 

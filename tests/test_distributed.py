@@ -16,8 +16,8 @@ import pytest
 from conftest import REPO, free_port, job_env, run_python, write_script
 
 import jdp
-from jdp.distributed import _log
 from jdp.distributed import _init as distributed
+from jdp.distributed import _log
 
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                "LOCAL_WORLD_SIZE", "NODE_RANK", "JAX_LOCAL_DEVICE_IDS", "JDP_CLUSTER_DETECTION",

@@ -10,6 +10,7 @@ from test_step import FORMS, N, data, mlp_params, mse
 
 import jdp
 
+
 def placed(form, tx=None):
     state = jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=tx or optax.sgd(0.1))
     return FORMS[form].place(state)

@@ -6,7 +6,6 @@ per new input signature (while jit traces), never on the per-step path.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax

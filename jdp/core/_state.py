@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jdp.core import _mesh, _zero
 from jdp.distributed import broadcast_from_primary
 
+
 class TrainState(train_state.TrainState):
     """flax's TrainState plus the model's non-trained state and an RNG key.
 

@@ -22,8 +22,8 @@ import jax
 # is a device collective with no timeout) nor the coordinator address a job was started with.
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
-from jdp.launch import _env, _malloc, _net, _run
 from jdp.distributed import _rendezvous
+from jdp.launch import _env, _malloc, _net, _run
 
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
 # a rank that finishes waits there for the others, and JAX aborts *every* process when it runs
@@ -96,7 +96,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     env = os.environ
     _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp.launch._malloc
     timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
-                zip(_TIMEOUT_ENV, (initialization_timeout, heartbeat_timeout, shutdown_timeout))}
+                zip(_TIMEOUT_ENV, (initialization_timeout, heartbeat_timeout, shutdown_timeout),
+                    strict=True)}
     plan = _plan(coordinator_address, num_processes, process_id, local_device_ids,
                  cluster_detection_method, env)
     if plan is None or _already_initialized(plan):

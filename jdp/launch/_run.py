@@ -184,7 +184,7 @@ def _run_spawned(payload: str) -> None:
     os.environ[SPAWN_BOOTSTRAP] = "1"
     multiprocessing.spawn.prepare(preparation)
     del os.environ[SPAWN_BOOTSTRAP]
-    from jdp.launch._spawn import run_rank   # importable now: the parent's import path is ours
+    from jdp.launch._spawn import run_rank  # importable now: the parent's import path is ours
     run_rank(payload)
 
 
