@@ -195,9 +195,10 @@ def _stacked_leaf(x: jax.Array) -> bool:
 
 
 def is_stacked(tree: Any) -> bool:
-    """Whether `tree` is in the pmap form, judged by its params (or its first array leaf)."""
-    leaves = jax.tree.leaves(getattr(tree, "params", tree))
-    return bool(leaves) and isinstance(leaves[0], jax.Array) and _stacked_leaf(leaves[0])
+    """Whether `tree` is in the pmap form: every array leaf one copy per local device (a
+    global state's step counter is a scalar; row-sharded FSDP parameters alone do not count)."""
+    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    return bool(leaves) and all(_stacked_leaf(x) for x in leaves)
 
 
 def to_global(tree: Any) -> Any:
@@ -206,7 +207,7 @@ def to_global(tree: Any) -> Any:
     if not is_stacked(tree):
         return tree
     one = jax.device_get(unreplicate(tree))
-    return jax.tree.map(lambda x: _state._place(x, _mesh.replicated()), one)
+    return jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), one)
 
 
 def like(template: Any, tree: Any) -> Any:

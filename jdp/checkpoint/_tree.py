@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jdp.core import _zero
+
 
 class Leaf(NamedTuple):
     """One array leaf: `shape` is logical (recorded, compared), `physical` as stored here."""
@@ -27,8 +29,7 @@ class Leaf(NamedTuple):
 
 def leaves(state: Any, where: str) -> list[Leaf]:
     """The array leaves of `state`, in `jax.tree.leaves` order."""
-    found = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
-             if isinstance(x, (jax.Array, np.ndarray))]
+    found = [(p, x) for p, x in _flat(state) if isinstance(x, (jax.Array, np.ndarray))]
     if not found:
         raise ValueError(f"{where}: the state {type(state).__name__} has no array leaves, so "
                          "there is nothing to checkpoint; pass the train state (from "
@@ -45,20 +46,31 @@ def leaves(state: Any, where: str) -> list[Leaf]:
     return out
 
 
+def _flat(state: Any) -> list:
+    """(path, array) pairs in `jax.tree.leaves` order; an FSDP parameter (`Sharded`) is named
+    by its parameter's path, so every layout of a state has the same names."""
+    return [(p, x.value if _zero.is_sharded(x) else x) for p, x in
+            jax.tree_util.tree_flatten_with_path(state, is_leaf=_zero.is_sharded)[0]]
+
+
 def _keys(path: Any) -> tuple[str, ...]:
     """A tree path as the string keys of the nested dict that orbax saves."""
     return tuple(jax.tree_util.keystr((k,), simple=True) for k in path) or ("value",)
 
 
 def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{keys: logical shape} of ZeRO's padded optimizer-state leaves (`tx.init(params)`'s)."""
+    """{keys: logical shape} of leaves stored padded on their leading axis: ZeRO's optimizer
+    state (`tx.init(params)`'s shapes) and FSDP's parameters (`Sharded`)."""
     try:
-        opt_state, logical = state.opt_state, jax.eval_shape(state.tx.init, state.params)
+        shapes = _zero.logical_shapes(state.params)
+        opt_state, logical = state.opt_state, jax.eval_shape(state.tx.init, shapes)
     except Exception:  # noqa: BLE001 - not an optax train state we understand: no padding
         return {}
+    out = {_keys((jax.tree_util.GetAttrKey("params"), *path)): (x.rows, *x.value.shape[1:])
+           for path, x in jax.tree_util.tree_flatten_with_path(
+               state.params, is_leaf=_zero.is_sharded)[0] if _zero.is_sharded(x)}
     if jax.tree.structure(logical) != jax.tree.structure(opt_state):
-        return {}
-    out = {}
+        return out
     stored = jax.tree_util.tree_flatten_with_path(opt_state)[0]
     for (path, x), want in zip(stored, jax.tree.leaves(logical), strict=True):
         shape = tuple(want.shape)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.core import _mesh
+from jdp.core import _mesh, _zero
 
 MAX_IN_FLIGHT = 16
 
@@ -61,36 +61,50 @@ def not_donated(state: Any) -> None:
                 "step(state, batch)`, or build the step with donate=False to keep old states")
 
 
-def placed_state(state: Any, shard_optimizer: bool | None) -> None:
-    """Every leaf of the state is a global array replicated on `jdp.mesh()`, the optimizer
-    state sharded along `jdp.AXIS` instead under ZeRO (what `jdp.broadcast` makes).
-    `shard_optimizer=None` (an evaluation) takes either form of the optimizer state."""
-    opt = getattr(state, "opt_state", None)
-    rest = state.replace(opt_state=None) if opt is not None else state
-    leaves = jax.tree_util.tree_flatten_with_path(rest)[0]
+def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = False) -> None:
+    """Every leaf of the state is a global array on `jdp.mesh()`: replicated, except what
+    `jdp.broadcast` shards along `jdp.AXIS` (the optimizer state under ZeRO, the parameters too
+    under FSDP). `shard_optimizer=None` (an evaluation) takes every form."""
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_zero.is_sharded)[0]
     if not leaves:
         raise ValueError(f"state {type(state).__name__} has no array leaves: pass the train "
                          "state, placed with jdp.broadcast(state)")
-    for path, x in leaves + jax.tree_util.tree_flatten_with_path(opt)[0]:
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not (isinstance(x, jax.Array) and x.sharding.device_set == _mesh_devices()):
             raise ValueError(
                 f"state leaf {name(path)} is {_where(x)}, not a global array on jdp.mesh(): "
                 "place the state with jdp.broadcast(state) (a state from jdp.replicate, the "
                 "pmap form, goes with jdp.pmap.train_step)")
+    opt = getattr(state, "opt_state", None)
+    opt_leaves = jax.tree.leaves(opt)
     for path, x in leaves:
-        if not x.sharding.is_fully_replicated:
+        whole = not _zero.is_sharded(x) and not any(x is y for y in opt_leaves)
+        if whole and not x.sharding.is_fully_replicated:
             raise ValueError(f"state leaf {name(path)} is not replicated on jdp.mesh(): place "
                              "the state with jdp.broadcast(state) (a state from jdp.replicate, "
                              "the pmap form, goes with jdp.pmap.train_step)")
-    zero = [_row_sharded(x) for x in jax.tree.leaves(opt) if x.ndim]
     if shard_optimizer is None:
         return
-    if shard_optimizer and not all(zero):
+    fsdp = any(_zero.is_sharded(x) for _, x in leaves)
+    if shard_params != fsdp:
+        raise ValueError("shard_params=True: the parameters are not sharded; place the state "
+                         "with jdp.broadcast(state, shard_params=True)" if shard_params else
+                         "the parameters are sharded (jdp.broadcast(state, shard_params=True)):"
+                         " pass shard_params=True to the step too")
+    zero = [_row_sharded(x) for x in opt_leaves if x.ndim]
+    if (shard_optimizer or shard_params) and not all(zero):
         raise ValueError("shard_optimizer=True: the optimizer state is not sharded; place the "
                          "state with jdp.broadcast(state, shard_optimizer=True)")
-    if not shard_optimizer and any(zero):
+    if not (shard_optimizer or shard_params) and any(zero):
         raise ValueError("the optimizer state is sharded (jdp.broadcast(state, "
                          "shard_optimizer=True)): pass shard_optimizer=True to the step too")
+
+
+def dtype_option(option: str, dtype: Any) -> None:
+    """A dtype option must be a floating dtype, or None."""
+    if dtype is not None and not _is_float_dtype(dtype):
+        raise ValueError(f"{option}={dtype!r}: expected a floating dtype such as jnp.bfloat16, "
+                         "or None")
 
 
 def _row_sharded(x: jax.Array) -> bool:

@@ -49,6 +49,12 @@ def batch_sharded() -> NamedSharding:
     return NamedSharding(mesh(), PartitionSpec(AXIS))
 
 
+def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value every process holds: each device gets its part."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def place_rows(rows: object) -> object:
     """This process's rows `[local_devices*b, ...]` (a pytree of host arrays) as its part of
     global arrays `[all_devices*b, ...]` split along `AXIS`, without an extra host copy."""

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax.training import train_state
-from jax.sharding import NamedSharding
 
 from jdp.core import _mesh, _zero
 from jdp.distributed import broadcast_from_primary
@@ -47,20 +46,24 @@ class TrainState(train_state.TrainState):
                               model_state=model_state, **kwargs)
 
 
-def broadcast(tree: Any, *, shard_optimizer: bool = False) -> Any:
+def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = False) -> Any:
     """Place `tree` on every device of every process as global arrays.
 
     Each array leaf becomes a `jax.Array` fully replicated on `jdp.mesh()`
-    (`NamedSharding(mesh, P())`) holding process 0's values, as DDP broadcasts rank 0's
-    parameters, so replicas start identical even if processes were seeded differently. There
-    is no device axis: `state.params` is the parameters and `float(metrics["loss"])` works.
+    (`NamedSharding(mesh, P())`) holding process 0's values, so replicas start identical even
+    if processes were seeded differently. There is no device axis: `state.params` is the
+    parameters and `float(metrics["loss"])` works.
 
     Args:
         tree: a pytree of arrays (a TrainState, params, ...), one copy.
-        shard_optimizer: ZeRO-1: place the optimiser state (`tree.opt_state`) sharded along
+        shard_optimizer: ZeRO-1/2: place the optimiser state (`tree.opt_state`) sharded along
             `jdp.AXIS` instead, each device holding 1/N of it (leaves padded on their leading
             axis to a multiple of N; scalars replicated); it never exists whole on a device.
             Use it with `jdp.train_step(..., shard_optimizer=True)`.
+        shard_params: FSDP / ZeRO-3: the parameters sharded too (and the optimizer state):
+            each parameter leaf with a leading axis becomes a `Sharded` node holding 1/N of its
+            padded rows per device. Use it with `jdp.train_step(..., shard_params=True)`;
+            `jdp.unshard(state)` gives the parameters back in the model's own shapes.
 
     Returns:
         The same structure with global `jax.Array` leaves.
@@ -72,20 +75,17 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False) -> Any:
         (True, (3,))
     """
     host = broadcast_from_primary(tree)
-    placed = jax.tree.map(lambda x: _place(x, _mesh.replicated()), host)
-    if not shard_optimizer:
+    placed = jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), host)
+    if not (shard_optimizer or shard_params):
         return placed
-    if not hasattr(host, "opt_state"):
-        raise TypeError(f"jdp.broadcast(shard_optimizer=True): {type(tree).__name__} has no "
-                        "opt_state field; pass the TrainState (jdp.TrainState or flax's)")
-    opt_state = jax.tree.map(lambda x: _place(*_zero.sharded_host(x)), host.opt_state)
-    return placed.replace(opt_state=opt_state)
-
-
-def _place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global array from a host value every process holds: each device gets its part."""
-    value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    missing = [f for f in ("opt_state", "params") if not hasattr(host, f)]
+    if missing:
+        option = "shard_params" if shard_params else "shard_optimizer"
+        raise TypeError(f"jdp.broadcast({option}=True): {type(tree).__name__} has no "
+                        f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
+    placed = placed.replace(
+        opt_state=jax.tree.map(lambda x: _mesh.place(*_zero.sharded_host(x)), host.opt_state))
+    return placed.replace(params=_zero.shard_params_host(host.params)) if shard_params else placed
 
 
 def shard(rows: Any, *, layout: str = "global") -> Any:
@@ -132,21 +132,27 @@ def divisible_rows(rows: Any, who: str) -> Any:
 def unshard(state: Any) -> Any:
     """The state with every leaf whole and replicated on `jdp.mesh()`, in the model's shapes.
 
-    A ZeRO state (`broadcast(state, shard_optimizer=True)`) gets its optimizer state back
-    unpadded; a replicated state comes back as it is. For export and inspection.
+    A ZeRO or FSDP state (`broadcast(state, shard_optimizer=True)` or `shard_params=True`)
+    gets its parameters and optimizer state back unpadded; a replicated state comes back as
+    it is. For export and inspection.
 
     Example:
         >>> import jdp, optax
         >>> state = jdp.TrainState.create(apply_fn=None, params={"w": np.ones(3)},
         ...                               tx=optax.adam(0.1))
-        >>> zero = jdp.broadcast(state, shard_optimizer=True)
-        >>> jdp.unshard(zero).opt_state[0].mu["w"].shape
-        (3,)
+        >>> fsdp = jdp.broadcast(state, shard_params=True)
+        >>> full = jdp.unshard(fsdp)
+        >>> full.params["w"].shape, full.opt_state[0].mu["w"].shape
+        ((3,), (3,))
     """
     opt_state = getattr(state, "opt_state", None)
     if opt_state is None or getattr(state, "tx", None) is None:
         return state
-    logical = jax.eval_shape(state.tx.init, state.params)
+    shapes = _zero.logical_shapes(state.params)
+    logical = jax.eval_shape(state.tx.init, shapes)
     if not _zero.is_stored(opt_state, logical):
         return state
-    return state.replace(opt_state=_zero.gathered(opt_state, logical))
+    params = state.params
+    if any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded)):
+        params = jax.jit(_zero.logical, out_shardings=_mesh.replicated())(params)
+    return state.replace(params=params, opt_state=_zero.gathered(opt_state, logical))

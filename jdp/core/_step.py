@@ -66,30 +66,34 @@ def device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options)
 
 
 def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_optimizer,
-                       **options):
+                       shard_params, compute_dtype, **options):
     """The step at jit level: gradients per device inside `shard_map`, reduced there, then
     the optimizer update on global arrays outside it.
 
     Outside `shard_map` the compiler updates the replicated state without a manual region in
-    the way, and with `shard_optimizer` it partitions the update over the devices
-    (`jdp/core/_zero.py`).
+    the way, and with `shard_optimizer` or `shard_params` it partitions the update over the
+    devices (`jdp/core/_zero.py`).
     """
-    mean = grad_reduce == "mean"
+    mean, sharded = grad_reduce == "mean", shard_optimizer or shard_params
+    master = _zero.logical_shapes(state.params)
 
     def per_device(state, batch, stop):
-        grads, _, new_ms, metrics = _grads.device_grads(state, batch, stop, **options)
-        if shard_optimizer:
+        params = _zero.gather_params(state.params, compute_dtype)
+        grads, _, new_ms, metrics = _grads.device_grads(
+            state.replace(params=params), batch, stop, **options)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
+        if sharded:
             return _zero.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
         return reduce_gradients(grads, mean=mean, comm_dtype=comm_dtype), new_ms, metrics
 
-    grad_spec = _zero.grad_specs(state.params) if shard_optimizer else P()
+    rest = jax.tree.map(lambda _: P(), state.replace(opt_state=None, params=None))
+    state_spec = rest.replace(params=_zero.param_specs(state.params))
     grads, new_ms, metrics = jax.shard_map(
-        per_device, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
-        out_specs=(grad_spec, P(), P()))(state.replace(opt_state=None), batch, stop)
-    if shard_optimizer:
-        state = _zero.apply(state, grads, comm_dtype)
-    else:
-        state = state.apply_gradients(grads=grads)
+        per_device, mesh=_mesh.mesh(), in_specs=(state_spec, P(AXIS), P(AXIS)),
+        out_specs=(_zero.grad_specs(master) if sharded else P(), P(), P()))(
+            state.replace(opt_state=None), batch, stop)
+    state = _zero.apply(state, grads, comm_dtype) if sharded else state.apply_gradients(
+        grads=grads)
     field = _grads.model_state_field(state)
     state = state.replace(**{field: new_ms}) if field else state
     stop = metrics.pop(_grads.STOP)
@@ -104,7 +108,8 @@ def place_stop(flag: bool) -> jax.Array:
 def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "mean",
                accum_steps: int = 1, model_state_sync: str | None = "mean",
                comm_dtype: Any = None, donate: bool = True, max_in_flight: int = 2,
-               shard_optimizer: bool = False) -> Callable:
+               shard_optimizer: bool = False, shard_params: bool = False,
+               compute_dtype: Any = None) -> Callable:
     """Make a data-parallel train step from a pure single-device loss.
 
     `step(state, batch)` runs `loss_fn` on every device's slice of `batch`, all-reduces the
@@ -142,6 +147,15 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         shard_optimizer: ZeRO-1/2 (state from `jdp.broadcast(state,
             shard_optimizer=True)`): gradients reduce-scattered, each device updates its 1/N
             of the optimiser state, the updates all-gathered.
+        shard_params: FSDP / ZeRO-3 (state from `jdp.broadcast(state, shard_params=True)`):
+            parameters, gradients and optimizer state 1/N per device; each step all-gathers
+            the whole model for the forward and backward pass (the peak: one whole copy of the
+            parameters in `compute_dtype`, plus the activations) and reduce-scatters the
+            gradients.
+        compute_dtype: the loss sees floating parameters cast to this dtype (e.g.
+            `jnp.bfloat16`; under `shard_params` they are gathered in it, half the bytes);
+            gradients come back in the parameters' own dtype and are reduced in it (or in
+            `comm_dtype`) and applied to the float32 master parameters and optimizer state.
 
     Returns:
         `step(state, batch) -> (state, metrics)`, metrics with "loss" (and the aux metrics),
@@ -160,13 +174,14 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         1.0
     """
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
+    _checks.dtype_option("compute_dtype", compute_dtype)
     body = functools.partial(
         _global_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype,
-        shard_optimizer=shard_optimizer)
+        shard_optimizer=shard_optimizer, shard_params=shard_params, compute_dtype=compute_dtype)
 
     def check(state, batch):
-        _checks.placed_state(state, shard_optimizer)
+        _checks.placed_state(state, shard_optimizer, shard_params)
         _checks.global_batch(batch, accum_steps)
 
     transform = functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
@@ -217,6 +232,8 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
     per_device = functools.partial(device_eval_step, metric_fn=metric_fn)
 
     def body(state, batch, stop):
+        if hasattr(state, "params"):  # sharded parameters (FSDP) in the model's own shapes
+            state = state.replace(params=_zero.logical(state.params))
         return jax.shard_map(per_device, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
                              out_specs=P())(state, batch, stop)
 
