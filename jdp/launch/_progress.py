@@ -1,10 +1,13 @@
 """Progress and preemption signals shared by jdp's steps, the Loader and the Checkpointer.
 
 Progress: under `jdp.launch` or `jdp.spawn` each rank owns a small file (its *slot*, path in
-$JDP_PROGRESS_FILE) mapped into memory; `record(phase, step)` writes a counter, the step and
-the phase there (one struct write, well under a microsecond, no system call), and the
-supervisor's watchdog reads every slot to see who is moving and who is behind. Without a
-supervisor `record` does nothing.
+$JDP_PROGRESS_FILE) mapped into memory; `record(phase, step)` marks that the rank enters
+`phase` and writes there a counter, the step, the phase, the time, the seconds spent so far
+in each phase and, per step, when the rank reached it (a few struct writes, about a
+microsecond, no system call). The supervisor's watchdog reads every slot to see who is moving
+and who is behind, and `_goodput` to say where the time went and who arrives late. Under
+srun or mpirun `jdp.initialize()` gives the slot an anonymous mapping, which its watchdog
+thread publishes (`jdp.distributed._watch`). Without either, `record` does nothing.
 
 Preemption: from its first call `preempted()` makes SIGTERM (from the launcher, SLURM,
 Kubernetes, a spot VM's notice) only set a flag, which jdp's train step carries in the
@@ -13,6 +16,7 @@ the first) or SIGKILL still ends the process.
 """
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import signal
@@ -22,15 +26,27 @@ import time
 
 from jdp.launch import _env
 
-PHASES = ("start", "step", "data", "eval", "checkpoint", "other")
+PHASES = ("start", "step", "data", "eval", "checkpoint", "other", "done")
+COMPILE = len(PHASES)            # the accumulator of a jitted step's first call (compilation)
 SLOT = struct.Struct("<QqB")    # progress count, steps run (-1: none yet), phase index
-SLOT_SIZE = 32
+# The slot: SLOT and the time of the last record (HEAD), the first record's time, seconds
+# spent per phase (COMPILE last), then a ring of the times the rank reached its last RING steps.
+HEAD = struct.Struct("<QqB7xd")
+FIRST_AT, ACC_AT = HEAD.size, HEAD.size + 8
+RING = 64
+RING_AT = ACC_AT + 8 * (COMPILE + 1)
+SLOT_SIZE = RING_AT + 8 * RING
+_DOUBLE = struct.Struct("<d")
 DUPLICATE_SIGTERM_S = 1.0       # a SIGTERM this soon after the first is the same request
 _CODES = {name: i for i, name in enumerate(PHASES)}
 
 _slot: mmap.mmap | bool | None = None     # None: not opened yet; False: no supervisor
 _count = 0
 _step = -1
+_last = 0.0                                # time of the last record
+_charge = 0                                # accumulator the open interval goes to
+_acc = [0.0] * (COMPILE + 1)
+_first_calls = {1, 3}                      # step, eval: their first call compiles
 _local_stop = False
 _first_stop = 0.0
 _agreed = False
@@ -40,18 +56,32 @@ _pending_agreed: list = [None]           # the newest step's agreed flag, read o
 
 
 def record(phase: str, step: int | None = None) -> None:
-    """Note that this rank made progress (`phase`: "step", "data", "eval", "checkpoint").
+    """Note that this rank enters `phase` ("step", "data", "eval", "checkpoint", "other").
 
     `step` is the number of training steps this process has run, when the caller knows it.
+    The time since the previous record is added to the previous phase's total.
     """
-    global _count, _step
+    global _count, _step, _last, _charge
     slot = _slot if _slot is not None else _open_slot()
     if slot is False:
         return
-    _count += 1
-    if step is not None:
+    now = time.monotonic()
+    if _count:
+        _acc[_charge] += now - _last
+        _DOUBLE.pack_into(slot, ACC_AT + 8 * _charge, _acc[_charge])
+    else:
+        _DOUBLE.pack_into(slot, FIRST_AT, now)
+    code = _CODES.get(phase, 5)
+    if step is not None and step != _step:
         _step = step
-    SLOT.pack_into(slot, 0, _count, _step, _CODES.get(phase, 5))
+        _DOUBLE.pack_into(slot, RING_AT + 8 * (step % RING), now)
+    _charge = code
+    if code in _first_calls:
+        _first_calls.discard(code)
+        _charge = COMPILE
+    _count += 1
+    _last = now
+    HEAD.pack_into(slot, 0, _count, _step, code, now)
 
 
 def _open_slot() -> mmap.mmap | bool:
@@ -62,7 +92,25 @@ def _open_slot() -> mmap.mmap | bool:
             _slot = mmap.mmap(f.fileno(), SLOT_SIZE)   # the map outlives the file
     except (KeyError, OSError, ValueError):
         _slot = False
+    if _slot is not False:
+        atexit.register(_finished)   # after JAX's (LIFO): runs before its shutdown barrier
     return _slot
+
+
+def memory_slot() -> mmap.mmap:
+    """A slot in this process's memory, for a watchdog thread of this process to read
+    (when no supervisor gave a slot file)."""
+    global _slot
+    if not isinstance(_slot, mmap.mmap):
+        _slot = mmap.mmap(-1, SLOT_SIZE)
+        atexit.register(_finished)
+    return _slot
+
+
+def _finished() -> None:
+    """At exit: this rank's own code is done (a peer still in a step will wait for it)."""
+    if _count:
+        record("done")
 
 
 def read_slot(path: str) -> tuple[int, int, str] | None:

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jdp.launch import _env, _net, _supervisor
+from jdp.launch import _env, _goodput, _net, _supervisor
 from jdp.launch._outcome import Job, Outcome, State, report
 
 WHO = "jdp.spawn"
@@ -46,12 +46,13 @@ class ProcessExitedException(ProcessException):
 def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
           devices_per_process: int | None = None, timeout: float | None = None,
           progress_timeout: float | None = None,
-          stop_grace: float = _supervisor.STOP_GRACE_S) -> None:
+          stop_grace: float = _supervisor.STOP_GRACE_S, logdir: str | None = None) -> None:
     """Run `fn(rank, *args)` in `nprocs` new processes that form one jdp job; wait for all.
 
     Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR
     (127.0.0.1) and a free MASTER_PORT, runs `jdp.initialize()`, then calls `fn`. Its output
-    is copied to ours, each line prefixed with `[rankK]: `. `fn` must be importable by a new
+    is copied to ours, each line prefixed with `[rankK]: `. Once ranks recorded progress (jdp's
+    steps, Loader, Checkpointer), a `goodput` line at the end says where the time went. `fn` must be importable by a new
     process: a module-level function (from the main script too, when the `jdp.spawn` call is
     under `if __name__ == "__main__":`), with picklable `args`. Return values are dropped.
 
@@ -67,6 +68,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
             naming the ranks behind, with their stacks. None reads JDP_PROGRESS_TIMEOUT.
         stop_grace: after SIGTERM to this process, seconds the ranks get to save and leave
             (see `jdp.preempted`) before SIGKILL.
+        logdir: where to write summary.json (where the time went, stragglers) and those
+            figures as metrics (`jdp.metrics`), as the launcher's --logdir.
 
     Raises:
         ProcessRaisedException: a rank raised; the message names it and holds its traceback.
@@ -98,7 +101,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         port = _net.free_port()
         specs = [_supervisor.RankSpec(r, cmd, _rank_env(r, nprocs, port, tmp, devices_per_process))
                  for r in range(nprocs)]
-        outcome = _supervisor.run(specs, _supervisor.Output(), limits)
+        ledger = _goodput.Ledger(WHO, logdir)
+        outcome = _supervisor.run(specs, _supervisor.Output(), limits, ledger=ledger)
+        ledger.finish()
         _raise_for(outcome, tmp, nprocs, limits)
 
 
