@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from jdp.launch import _env, _malloc, _progress, _watchdog
+from jdp.launch import _env, _goodput, _malloc, _progress, _watchdog
 from jdp.launch._outcome import Outcome, RankExit, Stall, State, Stop
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
@@ -62,6 +62,7 @@ class Limits(NamedTuple):
 
 
 CONSOLE, DEFAULT_LIMITS = Output(), Limits()   # console only; default clocks, no watchdog
+_FAILED = (State.FAILED, State.STALLED, State.TIMED_OUT, State.STOPPED)   # rounds lost
 
 
 class _Rank(NamedTuple):
@@ -89,7 +90,8 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
 
 
 def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DEFAULT_LIMITS,
-        stop: threading.Event | None = None) -> Outcome:
+        stop: threading.Event | None = None, ledger: _goodput.Ledger | None = None,
+        drain: threading.Event | None = None) -> Outcome:
     """Start every rank, supervise them to the end, and leave no process behind.
 
     SIGINT and SIGTERM received meanwhile (main thread only) are forwarded to every rank.
@@ -99,6 +101,9 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
         output: where the ranks' stdout/stderr go.
         limits: grace periods, the run's time limit and the progress timeout.
         stop: when set (by another thread), stop every rank and return (State.STOPPED).
+        ledger: where the round's time goes (`_goodput`); it also warns of stragglers.
+        drain: when set, pass SIGTERM to every rank (a stop request, as below) and return
+            State.STOPPED once they left: the launcher's planned restart to take in a node.
 
     Returns:
         The Outcome: success, or the first failed rank, signal, deadline or stall that ended it.
@@ -107,17 +112,24 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
     previous = _catch_signals(received)
     ranks: list = []
     start = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="jdp-watch-") if limits.progress_timeout_s else None
+    watched = limits.progress_timeout_s or ledger is not None
+    workdir = tempfile.mkdtemp(prefix="jdp-watch-") if watched else None
+    outcome = None
     try:
         events: queue.Queue = queue.Queue()
+        slots = {spec.rank: _slot_path(workdir, spec.rank) for spec in specs} if workdir else {}
+        if ledger is not None:
+            ledger.begin(slots)
         for spec in specs:
             ranks.append(_start(spec, output, events, workdir))
-        watchdog = None if workdir is None else _watchdog.Watchdog(
-            {r.spec.rank: _slot_path(workdir, r.spec.rank) for r in ranks},
-            limits.progress_timeout_s)
-        outcome = _supervise(ranks, events, received, limits, watchdog, start, stop)
+        watchdog = None if not limits.progress_timeout_s else _watchdog.Watchdog(
+            slots, limits.progress_timeout_s)
+        outcome = _supervise(ranks, events, received, limits, watchdog, start, stop, ledger,
+                             drain)
     finally:
         _stop(ranks, signal.SIGTERM, limits.grace_s)
+        if ledger is not None:
+            ledger.end(failed=outcome is None or outcome.state in _FAILED)
         for s, handler in previous.items():
             signal.signal(s, handler)
         for r in ranks:
@@ -132,19 +144,29 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
 
 def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
                watchdog: _watchdog.Watchdog | None, start: float,
-               stop: threading.Event | None) -> Outcome:
+               stop: threading.Event | None, ledger: _goodput.Ledger | None,
+               drain: threading.Event | None = None) -> Outcome:
     """The loop: wait for exits; on the first failure, signal, deadline or stall, stop all."""
     running = {r.spec.rank for r in ranks}
     by_rank = {r.spec.rank: r for r in ranks}
     deadline = None if limits.timeout_s is None else start + limits.timeout_s
+    next_sample = 0.0
     while running:
         now = time.monotonic()
+        if ledger is not None and now >= next_sample:
+            next_sample = now + _watchdog.READ_EVERY_S
+            if text := ledger.sample(now):
+                with _console_lock:
+                    print(text, file=sys.stderr, flush=True)
         if received:
             return _stop_requested(ranks, received, limits, now - start)
         if deadline is not None and now > deadline:
             return Outcome(State.TIMED_OUT, now - start)
         if stop is not None and stop.is_set():
             return Outcome(State.STOPPED, now - start)
+        if drain is not None and drain.is_set():
+            stopped = _stop_requested(ranks, [signal.SIGTERM], limits, now - start)
+            return stopped._replace(state=State.STOPPED)
         progress = watchdog.stalled(now) if watchdog is not None else None
         if progress is not None:
             return _stalled(ranks, progress, limits, now - start)
@@ -153,6 +175,8 @@ def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
         except queue.Empty:
             continue
         running.discard(rank)
+        if ledger is not None:
+            ledger.exited(rank, time.monotonic())
         if code != 0:
             seconds = time.monotonic() - start
             _stop(ranks, signal.SIGTERM, limits.grace_s)
