@@ -170,7 +170,10 @@ class Ledger:
         self._failed_last = False
 
     def begin(self, slots: dict) -> None:
-        """A round starts: rank -> slot file path."""
+        """A round starts: rank -> slot file path. After a failed round, say where the time
+        went so far (the failure's report is out by now)."""
+        if self._failed_last:
+            self.say()
         self._round = (time.monotonic(), dict(slots), Stragglers(sorted(slots)), {})
         self._next_warning = time.monotonic() + WARN_EVERY_S
 
@@ -216,8 +219,6 @@ class Ledger:
             self.stragglers if failed else [])
         self.rounds += 1
         self._end, self._failed_last, self._round = now, failed, None
-        if failed:
-            self.say()
 
     def _add(self, rank: int, buckets: dict) -> None:
         mine = self.per_rank.setdefault(rank, dict.fromkeys(BUCKETS, 0.0))

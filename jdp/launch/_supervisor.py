@@ -122,8 +122,7 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
             ledger.begin(slots)
         for spec in specs:
             ranks.append(_start(spec, output, events, workdir))
-        watchdog = None if not limits.progress_timeout_s else _watchdog.Watchdog(
-            slots, limits.progress_timeout_s)
+        watchdog = _watchdog.Watchdog(slots, limits.progress_timeout_s) if slots else None
         outcome = _supervise(ranks, events, received, limits, watchdog, start, stop, ledger,
                              drain)
     finally:
@@ -170,6 +169,9 @@ def _supervise(ranks: list, events: queue.Queue, received: list, limits: Limits,
         progress = watchdog.stalled(now) if watchdog is not None else None
         if progress is not None:
             return _stalled(ranks, progress, limits, now - start)
+        finished = watchdog.abandoned(now) if watchdog is not None else None
+        if finished is not None:
+            return _stalled(ranks, watchdog.progress(), limits, now - start, finished)
         try:
             rank, code = events.get(timeout=POLL_S)
         except queue.Empty:
@@ -207,15 +209,18 @@ def _stop_requested(ranks: list, received: list, limits: Limits, seconds: float)
     return Outcome(State.SIGNALED, seconds, Stop(sig, grace, killed, codes))
 
 
-def _stalled(ranks: list, progress: list, limits: Limits, seconds: float) -> Outcome:
-    """The watchdog fired: collect the stacks of the ranks behind, then stop every rank."""
-    late = _watchdog.behind(progress)[:_watchdog.MAX_STACKS]
+def _stalled(ranks: list, progress: list, limits: Limits, seconds: float,
+             finished: str = "") -> Outcome:
+    """The watchdog fired: collect the stacks of the ranks behind (of those left waiting when
+    a rank finished early), then stop every rank."""
+    late = ([p for p in progress if p.phase != "done"] if finished
+            else _watchdog.behind(progress))[:_watchdog.MAX_STACKS]
     by_rank = {r.spec.rank: r for r in ranks}
     pids = {p.rank: by_rank[p.rank].proc.pid for p in late
             if by_rank[p.rank].proc.returncode is None}
     stacks = _watchdog.dump_stacks(pids, {rank: by_rank[rank].spec.env.get(_env.STACK_FILE, "")
                                           for rank in pids})
-    return Outcome(State.STALLED, seconds, Stall(progress, stacks))
+    return Outcome(State.STALLED, seconds, Stall(progress, stacks, finished))
 
 
 def _alive(ranks: list) -> list:

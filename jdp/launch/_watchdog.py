@@ -4,13 +4,21 @@ The watchdog reads every rank's slot file (`_progress`) about twice a second and
 its own clock, when each last changed; it arms only once some rank recorded progress, so
 start-up and the first compilation are never timed. A rank blocked outside a collective (a hung
 read, a deadlock) leaves its peers waiting inside the next one, so the ranks with the fewest
-steps are the ones to look at.
+steps are the ones to look at. A rank whose code finished (phase "done", recorded at its exit)
+while another waits in a later step than it ran is named at once (FINISHED_WAIT_S): that step
+can never complete.
+
+Stacks are shown as a traceback shows them: most recent call last, each frame with its source
+line, without the launcher's own frames (runpy, `_run.py`), so the user's code comes first.
 """
 from __future__ import annotations
 
+import linecache
 import os
+import re
 import signal
 import time
+import traceback
 from typing import NamedTuple
 
 from jdp.launch import _progress
@@ -18,6 +26,9 @@ from jdp.launch import _progress
 READ_EVERY_S = 0.5
 STACK_WAIT_S = 3.0        # for faulthandler's dump to finish
 MAX_STACKS = 4            # stuck ranks whose stacks are shown in full
+FINISHED_WAIT_S = 2.0     # a finished rank and a peer in a later step, unmoved this long
+_LAUNCHER_DIR = os.path.dirname(os.path.abspath(__file__))
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
 
 
 class RankProgress(NamedTuple):
@@ -37,6 +48,18 @@ class Watchdog:
         self._last_move: float | None = None
         self._next_read = 0.0
 
+    def progress(self) -> list:
+        """Every rank's RankProgress as last read."""
+        return [RankProgress(rank, *self._seen.get(rank, (0, -1, "start"))[1:])
+                for rank in sorted(self.slots)]
+
+    def abandoned(self, now: float) -> str | None:
+        """'rank 0 finished at step 3; rank 1 waits in step 4' when a finished rank left a peer
+        in a step it never ran (and nobody moved for FINISHED_WAIT_S); else None."""
+        if self._last_move is None or now - self._last_move < FINISHED_WAIT_S:
+            return None
+        return finished_early(self.progress())
+
     def stalled(self, now: float) -> list | None:
         """Every rank's RankProgress when no rank moved for timeout_s; otherwise None."""
         if now >= self._next_read:
@@ -46,16 +69,75 @@ class Watchdog:
                 if value is not None and value[0] > 0 and value != self._seen.get(rank):
                     self._seen[rank] = value
                     self._last_move = now
-        if self._last_move is None or now - self._last_move < self.timeout_s:
+        if self.timeout_s is None or self._last_move is None or (
+                now - self._last_move < self.timeout_s):
             return None
-        return [RankProgress(rank, *self._seen.get(rank, (0, -1, "start"))[1:])
-                for rank in sorted(self.slots)]
+        return self.progress()
+
+
+def finished_early(progress: list) -> str | None:
+    """The finished ranks and the peers left waiting in a later step, or None."""
+    done = [p for p in progress if p.phase == "done"]
+    if not done:
+        return None
+    least = min(p.step for p in done)
+    waiting = [p for p in progress if p.phase != "done" and p.step > least]
+    if not waiting:
+        return None
+    return "; ".join([f"rank {p.rank} finished at step {p.step}" for p in done]
+                     + [f"rank {p.rank} waits in {p.phase} {p.step}" if p.phase != "step"
+                        else f"rank {p.rank} waits in step {p.step}" for p in waiting])
 
 
 def behind(progress: list) -> list:
     """The ranks with the fewest steps (all of them when every rank is at the same step)."""
     low = min(p.step for p in progress)
     return [p for p in progress if p.step == low]
+
+
+def readable(dump: str) -> str:
+    """A faulthandler dump as a traceback: oldest call first, each frame's source line, the
+    launcher's frames left out."""
+    out, frames, header = [], [], None
+
+    def close():
+        if header is not None:
+            out.append(header.replace("most recent call first", "most recent call last"))
+            out.extend(_frame_lines(list(reversed(frames))))
+
+    for line in dump.splitlines():
+        match = _FRAME.match(line)
+        if match:
+            frames.append((match[1], int(match[2]), match[3]))
+        elif line.strip():
+            close()
+            header, frames = line.rstrip(), []
+    close()
+    return "\n".join(out)
+
+
+def frame_summary(frame) -> str:
+    """The stack of a live frame (another thread's), as `readable` shows a dump."""
+    entries = [(f.f_code.co_filename, lineno, f.f_code.co_name)
+               for f, lineno in traceback.walk_stack(frame)]
+    return "\n".join(_frame_lines(list(reversed(entries))))
+
+
+def _frame_lines(frames: list) -> list:
+    """'  File "x.py", line 3, in f' and its source line, per frame, the launcher's dropped."""
+    while frames and _launcher_frame(frames[0][0]):
+        frames = frames[1:]
+    lines = []
+    for filename, lineno, name in frames:
+        lines.append(f'  File "{filename}", line {lineno}, in {name}')
+        if source := linecache.getline(filename, lineno).strip():
+            lines.append(f"    {source}")
+    return lines
+
+
+def _launcher_frame(filename: str) -> bool:
+    return (filename == "<frozen runpy>" or filename.endswith(os.sep + "runpy.py")
+            or os.path.dirname(os.path.abspath(filename)) == _LAUNCHER_DIR)
 
 
 def describe(progress: list) -> str:
@@ -102,4 +184,4 @@ def _await_dump(path: str) -> str:
             break
         size = now
     with open(path, errors="replace") as f:
-        return f.read()
+        return readable(f.read())
