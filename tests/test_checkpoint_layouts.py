@@ -96,7 +96,7 @@ def test_two_processes_save_a_global_state_that_restores_anywhere(tmp_path):
         for name, want in busy.items():
             assert got[name].tobytes() == want.tobytes(), (rank, name)
     assert_global(Checkpointer(directory / "async").restore(global_state(make_state(9))))
-    assert sorted(os.listdir(directory / "async")) == ["7"]
+    assert sorted(set(os.listdir(directory / "async")) - {".jdp-writer"}) == ["7"]
     sharded = Checkpointer(directory / "zero").restore(
         jdp.broadcast(make_state(9), shard_optimizer=True))
     for path, leaf in jax.tree_util.tree_flatten_with_path(sharded)[0]:

@@ -13,11 +13,14 @@ Only array leaves are saved; the rest (`apply_fn`, `tx`) comes from the state gi
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import operator
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
@@ -26,10 +29,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jdp import pmap
-from jdp.checkpoint import _integrity
+from jdp.checkpoint import _integrity, _owner
 from jdp.checkpoint import _tree as tree
 from jdp.checkpoint._integrity import CorruptCheckpointError, Damaged
-from jdp.distributed import barrier
+from jdp.core import _checks
+from jdp.distributed import _group, barrier
 from jdp.launch import _progress
 
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
@@ -68,6 +72,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
                  timeout_s: float = 300.0, async_save: bool = False):
+        _group.require_job("jdp.checkpoint.Checkpointer")
         if max_to_keep is not None and (isinstance(max_to_keep, bool)
                                         or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an integer >= 1, or None "
@@ -86,6 +91,8 @@ class Checkpointer:
         self.timeout_s = float(timeout_s)
         self._manager = disk.manager(self.directory, max_to_keep, async_save)
         self._async, self._closed = async_save, False
+        self._damaged: set[int] = set()   # steps a restore found damaged: a save may replace them
+        self._claimed, self._saving = False, None
         if async_save:
             # Private: Python's only exit hook that runs before concurrent.futures stops taking
             # work (which orbax's writer needs); atexit runs after that, too late. No public API.
@@ -120,19 +127,23 @@ class Checkpointer:
         _progress.record("checkpoint")
         self._wait()
         step = _as_step(step)
+        _checks.not_donated(state)
         found = tree.leaves(pmap.to_global(state), "Checkpointer.save")
         position = _loader_position(loader)
         self._agree("save", step)
-        latest = self.latest_step()
+        latest = ([s for s in self.all_steps() if s not in self._damaged] or [None])[-1]
         if latest is not None and step <= latest:
             raise ValueError(
                 f"Checkpointer.save: step {step} is not after the latest checkpoint {latest} in "
                 f"{self.directory}; steps must increase. Pass a larger step (e.g. the state's "
                 "step counter), or save into a new directory")
-        self._prepare_to_write()
-        self._write(step, found, position)
-        if not self._async:
-            self._empty_trash()
+        self._prepare_to_write(step)
+        self._saving = step
+        with self._no_space():
+            self._write(step, found, position)
+            if not self._async:
+                self._saving = None
+                self._empty_trash()
 
     def _write(self, step: int, found: list, position: Any) -> None:
         """Hand the arrays, loader position and record to orbax, whose (background) write empties
@@ -220,13 +231,29 @@ class Checkpointer:
     def _wait(self) -> None:
         """Let this Checkpointer's background save, if any, finish (raising if it failed)."""
         if self._async:
-            self._manager.wait_until_finished()
+            with self._no_space():
+                self._manager.wait_until_finished()
+            self._saving = None
+
+    @contextlib.contextmanager
+    def _no_space(self) -> Iterator[None]:
+        """A full disk as one line naming the directory and step, not orbax's pages."""
+        try:
+            yield
+        except Exception as e:
+            if not _out_of_space(e):
+                raise
+            error = OSError(f"no space left on {self.directory} while saving step "
+                            f"{self._saving}; free space or save elsewhere (the earlier "
+                            "checkpoints are intact)")
+            error.errno, self._saving = errno.ENOSPC, None
+            raise error from None
 
     def _finish(self) -> None:
         """Finish a background save and empty the trash, once (at `close` or interpreter exit)."""
         if self._async and not self._closed:
             self._closed = True
-            self._manager.wait_until_finished()
+            self._wait()
             self._empty_trash()
 
     def __enter__(self) -> Checkpointer:
@@ -257,6 +284,7 @@ class Checkpointer:
                     if vanished:
                         break  # list again: newer steps may have appeared meanwhile
                     damaged[step] = str(e)
+                    self._damaged.add(step)
                     warnings.warn(f"Checkpointer.restore: checkpoint {step} in "
                                   f"{self.directory} is damaged ({e}); trying the next older "
                                   "checkpoint", RuntimeWarning, stacklevel=3)
@@ -300,8 +328,9 @@ class Checkpointer:
         except Exception as e:  # tensorstore, orbax, json and OS errors alike
             raise _integrity.from_error(e, os.path.join(self.directory, str(step)), what) from None
 
-    def _prepare_to_write(self) -> None:
-        """Create the directory; on process 0, delete the unfinished saves of crashed writers."""
+    def _prepare_to_write(self, step: int) -> None:
+        """Create the directory; on process 0, claim it (`_owner`) and move out of the way the
+        unfinished saves of crashed writers and the damaged steps this save replaces."""
         try:
             self._root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -309,7 +338,17 @@ class Checkpointer:
                              f"{self.directory!r} ({e.strerror or e}); pass a writable "
                              "directory path") from None
         if jax.process_index() == 0:
-            self._disk.remove_leftovers(self._root)
+            _owner.claim(self._root, self.directory, self._claimed)
+            self._claimed = True
+            stray = self._disk.remove_leftovers(self._root, {s for s in self._damaged if s >= step})
+            if stray:
+                warnings.warn(f"Checkpointer.save: removed step directories {stray} from "
+                              f"{self.directory}: saves that never committed (or not "
+                              "checkpoints at all), which would count toward max_to_keep",
+                              RuntimeWarning, stacklevel=3)
+        self._damaged = {s for s in self._damaged if s < step}
+        if jax.process_count() > 1:  # every process's orbax must see the same steps
+            barrier(f"jdp.checkpoint:{self.directory}/prepared", self.timeout_s)
         self._manager.reload()  # max_to_keep counts the steps on disk, not in memory
 
     def _empty_trash(self) -> None:
@@ -354,3 +393,13 @@ def _loader_position(loader: Any) -> dict | None:
         raise TypeError(f"{type(loader).__name__}.state_dict() must return JSON-serialisable "
                         f"data to be checkpointed; got {position!r} ({e})") from None
     return position
+
+
+def _out_of_space(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it chains, says the disk is full."""
+    seen = 0
+    while error is not None and seen < 20:
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False

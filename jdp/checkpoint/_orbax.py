@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -142,11 +143,21 @@ def complete_steps(root: epath.Path) -> list[int]:
     return sorted(int(p.name) for p in entries if p.name.isdigit() and (p / _DONE).exists())
 
 
-def remove_leftovers(root: epath.Path) -> None:
-    """Delete the unfinished saves a killed writer left (call on the writer, before it saves)."""
+def remove_leftovers(root: epath.Path, replaced: set[int]) -> list[str]:
+    """Delete the unfinished saves a killed writer left, and move to the trash the step
+    directories without orbax's commit marker (returned: they would count toward max_to_keep)
+    and the `replaced` steps (call on the writer, before it saves)."""
+    stray = []
     for path in root.iterdir():
         if _LEFTOVER.match(path.name):
             path.rmtree()
+        elif path.name.isdigit() and path.is_dir() and (
+                int(path.name) in replaced or not (path / _DONE).exists()):
+            if int(path.name) not in replaced:
+                stray.append(path.name)
+            (root / TRASH).mkdir(exist_ok=True)
+            path.rename(root / TRASH / f"{path.name}.{uuid.uuid4().hex}")
+    return sorted(stray, key=int)
 
 
 def empty_trash(root: epath.Path) -> None:

@@ -6,6 +6,7 @@ zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -28,8 +29,10 @@ class Leaf(NamedTuple):
 
 
 def leaves(state: Any, where: str) -> list[Leaf]:
-    """The array leaves of `state`, in `jax.tree.leaves` order."""
-    found = [(p, x) for p, x in _flat(state) if isinstance(x, (jax.Array, np.ndarray))]
+    """The leaves of `state`, in `jax.tree.leaves` order: arrays, and numbers (Python or numpy
+    scalars) saved as 0-d arrays; any other leaf (a string, an object) is refused, since
+    silently leaving it out would restore the template's value in its place."""
+    found = [(p, _array(x, p, where)) for p, x in _flat(state)]
     if not found:
         raise ValueError(f"{where}: the state {type(state).__name__} has no array leaves, so "
                          "there is nothing to checkpoint; pass the train state (from "
@@ -44,6 +47,17 @@ def leaves(state: Any, where: str) -> list[Leaf]:
                          "checkpoint (a key holding '/', such as 'a/b' beside a "
                          "nested 'a': {'b'}); rename one")
     return out
+
+
+def _array(x: Any, path: Any, where: str) -> jax.Array | np.ndarray:
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    if isinstance(x, (numbers.Number, np.generic)) and np.asarray(x).dtype.kind in "biufc":
+        return np.asarray(x)
+    raise TypeError(f"{where}: leaf {jax.tree_util.keystr(path) or '<root>'} is a "
+                    f"{type(x).__name__} ({str(x)[:40]!r}), which a checkpoint does not hold "
+                    "(arrays and numbers only); keep it out of the state (a static field, or "
+                    "your own file) or encode it as an array")
 
 
 def _flat(state: Any) -> list:
@@ -88,8 +102,15 @@ def restored(leaf: Leaf, value: Any) -> Any:
 
 
 def rebuild(state: Any, values: list) -> Any:
-    """`state` with its array leaves, in `leaves()` order, replaced by `values`."""
+    """`state` with its leaves, in `leaves()` order, replaced by `values` (a number leaf by a
+    number of its own type)."""
     flat, treedef = jax.tree.flatten(state)
-    given = iter(values)
-    return jax.tree.unflatten(treedef, [next(given) if isinstance(x, (jax.Array, np.ndarray))
-                                        else x for x in flat])
+    return jax.tree.unflatten(treedef, [_like(x, v) for x, v in zip(flat, values, strict=True)])
+
+
+def _like(template: Any, value: Any) -> Any:
+    if isinstance(template, (jax.Array, np.ndarray)):
+        return value
+    if isinstance(template, np.generic):
+        return np.asarray(value, template.dtype)[()]
+    return type(template)(np.asarray(value).item())

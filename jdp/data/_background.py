@@ -45,22 +45,25 @@ def prefetched(fn: Callable[[int], Any], items: range, depth: int,
     """`fn(i) for i in items`, computed up to `depth` ahead in a thread (inline when depth is 0).
 
     It has `close()`; `fn`'s errors, and `timeout` seconds without a result, raise in the consumer.
+    With depth 0 and a timeout, each `fn(i)` runs in the thread only when asked for (nothing
+    ahead), so that the timeout holds there too.
     """
-    if depth == 0:
+    if depth == 0 and timeout is None:
         return (fn(i) for i in items)
     return _Prefetcher(fn, items, depth, timeout)
 
 
 class _Prefetcher:
-    """Iterator over `fn(i)` for i in `items`, produced by a daemon thread."""
+    """Iterator over `fn(i)` for i in `items`, produced by a daemon thread (on demand: depth 0)."""
 
     def __init__(self, fn: Callable[[int], Any], items: range, depth: int,
                  timeout: float | None):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
         self._timeout = timeout
+        self._asked = threading.Semaphore(0) if depth == 0 else None
         self._thread = threading.Thread(target=_produce, name="jdp-loader-prefetch", daemon=True,
-                                        args=(fn, items, self._queue, self._stop))
+                                        args=(fn, items, self._queue, self._stop, self._asked))
         self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._thread)
         self._thread.start()
 
@@ -70,6 +73,8 @@ class _Prefetcher:
     def __next__(self) -> Any:
         if not self._finalizer.alive:
             raise StopIteration
+        if self._asked is not None:
+            self._asked.release()
         item = self._get()
         if item is _END:
             self.close()
@@ -102,9 +107,12 @@ class _Prefetcher:
 
 
 def _produce(fn: Callable[[int], Any], items: range, out: queue.Queue,
-             stop: threading.Event) -> None:
+             stop: threading.Event, asked: threading.Semaphore | None) -> None:
     try:
         for i in items:
+            while asked is not None and not asked.acquire(timeout=_POLL_S):
+                if stop.is_set():
+                    return
             if stop.is_set() or not _put(out, fn(i), stop):
                 return
     except Exception as err:  # noqa: BLE001 -- every error goes to the consumer

@@ -32,6 +32,7 @@ from jdp import pmap
 from jdp.core import _mesh
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
+from jdp.distributed import _group
 from jdp.launch import _progress
 
 LAYOUTS = ("global", "pmap")
@@ -67,8 +68,9 @@ class Loader:
             epoch, index of row j's example)`; draw row j's randomness from `rng[j]` only, and
             an example's augmentation replays on any worker or process count and resume point.
         drop_last: drop the last partial batch of each epoch instead of padding it.
-        prefetch: batches prepared and put on the devices ahead by a background thread; 0 reads
-            in the consuming thread.
+        prefetch: batches prepared and put on the devices ahead by a background thread; 0:
+            none ahead (each batch is read when asked for, still in that thread so that
+            `timeout` holds; with `timeout=None`, in the consuming thread).
         devices: with `layout="pmap"` only: the devices to split over; default
             `jax.local_devices()` (pmap's order).
         timeout: seconds to wait for one batch before raising TimeoutError; None waits forever.
@@ -95,6 +97,7 @@ class Loader:
                  transform: Callable[..., dict] | None = None, drop_last: bool = False,
                  prefetch: int = 2, devices: Sequence[jax.Device] | None = None,
                  timeout: float | None = 300.0, layout: str = "global", num_workers: int = 0):
+        _group.require_job("jdp.data.Loader")
         num_examples, read = _sources.make_reader(source)
         self.sampler = _default_sampler(sampler, num_examples, shuffle, seed)
         self._place = _placement(layout, devices)  # the one place the layout is looked at
@@ -114,6 +117,7 @@ class Loader:
             _background.check_picklable(self._recipe, self.num_workers)
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
+        self._agreed = False
         self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
 
@@ -163,19 +167,31 @@ class Loader:
         return batches
 
     def _iterate(self) -> Iterator[dict]:
+        self._agree()
         indices, real = self.sampler.pass_rows(self._start)
         plan = _sources.EpochPlan(indices, real, self.batch_size, self.sampler.seed, self._epoch)
         items = range(self._step, self._num_batches(self._start))
         host, place = self._host_batches(plan, items), self._place
         batches = _background.prefetched(lambda b: place(host(b)), items, self.prefetch,
                                          self.timeout)
-        with contextlib.closing(batches):
+        with contextlib.closing(batches), self._workers_broken_on_timeout():
             for batch in batches:
                 self._step += 1
                 _progress.record("data")  # a rank stuck reading shows phase "data"
                 yield batch
         self._active = None  # finished: _move must not close this (running) generator
         self._move(self._epoch + 1, 0)
+
+    def _agree(self) -> None:
+        """Once, before the first batch: every process has the same dataset size, batch size,
+        sampler and position (else the global batches would mix or hang)."""
+        if self._agreed or not 1 < jax.process_count() == self.sampler.num_replicas:
+            return
+        facts = [(k, repr(v)) for k, v in self.state_dict().items()] + [("layout", self.layout)]
+        _group.agree("loader", facts, "jdp.data.Loader", "build the Loader with the same dataset "
+                     "(len(source)), batch_size and sampler settings, and restore the same "
+                     "position, on every process", self.timeout or _group.AGREE_TIMEOUT_S)
+        self._agreed = True
 
     def _host_batches(self, plan: _sources.EpochPlan, items: range) -> Callable[[int], dict]:
         """`b -> host batch b`: built here, or asked of the worker processes."""
@@ -187,6 +203,16 @@ class Loader:
             self._pool = _background.Pool(self._recipe, self.num_workers)
             self._stop_pool = weakref.finalize(self, self._pool.close)
         return self._pool.start_pass(plan, items, ahead=2 * self.num_workers)
+
+    @contextlib.contextmanager
+    def _workers_broken_on_timeout(self) -> Iterator[None]:
+        """A pass that timed out leaves a worker busy: the next pass starts fresh workers."""
+        try:
+            yield
+        except TimeoutError:
+            if self._pool is not None:
+                self._pool.broken = True
+            raise
 
     def close(self) -> None:
         """Stop the worker processes now (idempotent; the next iteration starts new ones)."""

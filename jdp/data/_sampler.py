@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jdp.distributed import _group
+
 
 def _require_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -54,6 +56,8 @@ class DistributedSampler:
                  rank: int | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False):
         owner = "DistributedSampler"
+        if num_replicas is None or rank is None:
+            _group.require_job(owner)
         self.num_examples = _require_int(owner, "num_examples", num_examples, 1,
                                          "pass len(source) of a non-empty source")
         num_replicas = jax.process_count() if num_replicas is None else num_replicas

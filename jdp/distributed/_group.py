@@ -1,11 +1,31 @@
-"""Who this process is in the job, and process 0's values for everyone."""
+"""Who this process is in the job, process 0's values for everyone, and checks that the
+processes agree before a collective that would otherwise hang or mix their values.
+
+Agreement goes through the coordination service's key-value store (timed gets), never a
+device collective: a process that disagrees, or never comes, turns into an error on every
+process, naming what differs and where, instead of a hang.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+# Private, for want of a public API: the coordination-service client (see _init.py).
+from jax._src import distributed as _jax_distributed  # no public API: see above
+
+from jdp.distributed import _init
+from jdp.launch import _env
+
+_job_checked = False   # require_job passed once: later calls cost one global read
+_rounds: dict[str, int] = {}   # per topic: how many agreement rounds this process began
+AGREE_TIMEOUT_S = 300.0
 
 
 def is_primary() -> bool:
@@ -23,19 +43,130 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def require_job(who: str) -> None:
+    """Raise when this process was started as one of several (launcher, srun, mpirun
+    variables) but `jdp.initialize()` did not join it to the others.
+
+    Without this every rank would train alone, each its own process 0. Called by every jdp
+    entry point that needs the job; after the first pass it is one global read.
+    """
+    global _job_checked
+    if _job_checked:
+        return
+    if not jax.distributed.is_initialized():
+        launched = _launcher_variables(os.environ)
+        if launched:
+            raise RuntimeError(
+                f"{who}: this process runs under a launcher ({launched}) but jdp.initialize() "
+                "was not called, so every rank would train alone: call jdp.initialize() first "
+                "in main")
+    _job_checked = True
+
+
+def _launcher_variables(env: Any) -> str:
+    """The variables that make this a multi-process job, as text; '' for a single process."""
+    try:
+        if _init._plan(None, None, None, None, None, env) is None:
+            return ""
+    except ValueError:  # an incomplete or bad job description is still a job description
+        pass
+    names = [_env.WORLD_SIZE, _env.RANK, "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+             _env.CLUSTER_DETECTION]
+    return ", ".join(f"{n}={env[n]}" for n in names if n in env) or "launcher variables"
+
+
 def broadcast_from_primary(tree: Any) -> Any:
-    """Return process 0's values of `tree` on every process, as numpy arrays.
+    """Return process 0's values of `tree` on every process, as numpy arrays, bit for bit.
 
     So every replica starts identical even when processes initialised with different seeds.
-    Leaves must have the same shape and dtype on every process. A single process gets its own
-    values back without communication.
+    Leaves must have the same structure, shapes and dtypes on every process: that is checked
+    first, and a difference raises ValueError on every process naming the leaf and the
+    processes. A single process gets its own values back without communication.
     """
+    return broadcast(tree, "jdp.broadcast_from_primary")
+
+
+def broadcast(tree: Any, who: str) -> Any:
+    """`broadcast_from_primary` for the jdp entry point `who` (named in its errors).
+
+    The leaves travel as their raw bytes (one uint8 buffer), since the collective underneath
+    is a sum in the leaves' dtype that would lose 64-bit values without x64.
+    """
+    require_job(who)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    host = [np.asarray(x) for _, x in flat]
+    for (path, _), x in zip(flat, host, strict=True):
+        if x.dtype.kind == "O":
+            raise TypeError(f"{who}: leaf {jax.tree_util.keystr(path)} is a Python object "
+                            f"({type(x.flat[0]).__name__ if x.size else 'object'}), not an "
+                            "array or number; keep it out of the tree or make it an array")
     if jax.process_count() == 1:
-        return jax.tree.map(np.asarray, tree)
-    leaves, treedef = jax.tree.flatten(tree)
-    host = [np.asarray(x) for x in leaves]
-    # The broadcast is a psum with zeros on the other processes: bools are summed as uint8.
-    sendable = [x.astype(np.uint8) if x.dtype == np.bool_ else x for x in host]
-    received = multihost_utils.broadcast_one_to_all(sendable)
-    out = [np.asarray(r).astype(h.dtype) for r, h in zip(received, host, strict=True)]
+        return jax.tree.unflatten(treedef, host)
+    agree("broadcast", [(jax.tree_util.keystr(p), f"{x.dtype}{list(x.shape)}")
+                        for (p, _), x in zip(flat, host, strict=True)], who,
+          "every process must build the same tree (same model, same config)")
+    raw = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in host]
+    if sum(r.size for r in raw):
+        got = np.array(multihost_utils.broadcast_one_to_all(np.concatenate(raw)))
+        ends = np.cumsum([r.size for r in raw])
+        raw = np.split(got, ends[:-1])
+    out = [r.view(x.dtype).reshape(x.shape) for r, x in zip(raw, host, strict=True)]
     return jax.tree.unflatten(treedef, out)
+
+
+def agree(topic: str, facts: Sequence[tuple[str, str]], who: str, fix: str,
+          timeout_s: float = AGREE_TIMEOUT_S) -> None:
+    """Raise on every process unless all processes passed the same `facts` (name, value).
+
+    The n-th call for `topic` on one process meets the n-th call on the others. Each process
+    publishes a hash of its facts and reads everyone's (timed); only on a difference are the
+    facts themselves read, to name the first one that differs and the processes on each side.
+    """
+    client = _jax_distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+    n = _rounds[topic] = _rounds.get(topic, 0) + 1
+    me, count, prefix = jax.process_index(), jax.process_count(), f"jdp/agree/{topic}/{n}"
+    text = json.dumps([list(f) for f in facts])
+    client.key_value_set(f"{prefix}/facts/{me}", text)
+    client.key_value_set(f"{prefix}/hash/{me}", hashlib.sha256(text.encode()).hexdigest())
+    hashes = _get_all(client, f"{prefix}/hash", count, who, timeout_s)
+    if len(set(hashes)) == 1:
+        return
+    groups: dict[str, list[int]] = {}
+    for rank, h in enumerate(hashes):
+        groups.setdefault(h, []).append(rank)
+    ranks_a, ranks_b = list(groups.values())[:2]
+    other = [json.loads(_get(client, f"{prefix}/facts/{r[0]}", who, timeout_s, r[0]))
+             for r in (ranks_a, ranks_b)]
+    name, value_a, value_b = _first_difference(*other)
+    raise ValueError(f"{who}: the processes disagree on {name}: {value_a} on process(es) "
+                     f"{_ranks(ranks_a)} but {value_b} on process(es) {_ranks(ranks_b)}; {fix}")
+
+
+def _get_all(client: Any, prefix: str, count: int, who: str, timeout_s: float) -> list[str]:
+    return [_get(client, f"{prefix}/{r}", who, timeout_s, r) for r in range(count)]
+
+
+def _get(client: Any, key: str, who: str, timeout_s: float, rank: int) -> str:
+    try:
+        return client.blocking_key_value_get(key, int(timeout_s * 1000))
+    except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
+        raise TimeoutError(f"{who}: process {rank} did not reach this call within {timeout_s:g}"
+                           f" s (process {jax.process_index()} waited): it is slow, stuck, dead "
+                           "or takes another path through the program") from None
+
+
+def _first_difference(a: list, b: list) -> tuple[str, str, str]:
+    """(name, value in a, value in b) of the first fact that differs ('absent' if missing)."""
+    da, db = dict(map(tuple, a)), dict(map(tuple, b))
+    for name in [k for k, _ in a] + [k for k, _ in b]:
+        if da.get(name) != db.get(name):
+            return name or "<root>", da.get(name, "absent"), db.get(name, "absent")
+    return "the order of the leaves", str([k for k, _ in a][:4]), str([k for k, _ in b][:4])
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
