@@ -22,7 +22,7 @@ import jax
 # is a device collective with no timeout) nor the coordinator address a job was started with.
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
-from jdp.distributed import _rendezvous
+from jdp.distributed import _rendezvous, _watch
 from jdp.launch import _env, _malloc, _net, _run
 
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
@@ -65,7 +65,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     missing process is named in a TimeoutError instead of JAX aborting process 0. On a
     multi-process job an uncaught exception (code 1) or `sys.exit(n)` (code n) ends the
     process at once instead of waiting in JAX's exit handler, under mpirun/srun too (a bare
-    `raise SystemExit(n)` still waits).
+    `raise SystemExit(n)` still waits). With JDP_PROGRESS_TIMEOUT=S and no jdp launcher
+    watching (srun, mpirun), a watchdog inside the job (`_watch`) names a rank that made no
+    progress for S seconds, with its Python stack, and ends the job with status 124.
 
     Args:
         coordinator_address: "host:port" of process 0's coordinator service.
@@ -104,6 +106,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         return
     _connect(plan, **timeouts)
     _install_fail_fast_excepthook()
+    _start_watchdog(env)
 
 
 def _plan(coordinator_address, num_processes, process_id, local_device_ids,
@@ -209,6 +212,23 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
     finally:
         if hint is not None:
             hint.cancel()
+
+
+def _start_watchdog(env: Mapping[str, str]) -> None:
+    """The in-job watchdog, when JDP_PROGRESS_TIMEOUT asks for one and no supervisor reads
+    this rank's progress slot (jdp.launch and jdp.spawn watch from outside)."""
+    raw = env.get(_env.PROGRESS_TIMEOUT)
+    if not raw or _env.PROGRESS_FILE in env:
+        return
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{_env.PROGRESS_TIMEOUT}={raw!r} is not a number of seconds > 0; "
+                         f"e.g. {_env.PROGRESS_TIMEOUT}=600")
+    state = _jax_distributed.global_state
+    _watch.start(state.client, state.process_id, state.num_processes, seconds)
 
 
 def _roll_call(host: str, port: int, plan: _Plan, timeout: int) -> int:

@@ -39,6 +39,7 @@ LOST_PEER_DELAY_S = 1.0
 _LOST_PEER = re.compile(r"gloo|nccl|connection (closed|reset) by peer|coordination service",
                         re.IGNORECASE)
 _stack_file = None   # kept open: faulthandler writes to its descriptor
+_leaving: list = []  # the status a watchdog thread is ending this process with (see below)
 
 
 def exit_now(code: int) -> NoReturn:
@@ -60,6 +61,8 @@ def report_failure(code: int = 1, exc: BaseException | None = None) -> NoReturn:
     peer vanished waits a moment before leaving, so that a supervisor sees the peer, the real
     cause, exit first and reports it (both exits would otherwise race by milliseconds).
     """
+    if _leaving:   # a watchdog ends the job; the main thread's collective failing is its echo
+        exit_now(_leaving[0])
     exc = exc if exc is not None else sys.exc_info()[1]
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
     sys.stderr.write(text)
@@ -70,6 +73,12 @@ def report_failure(code: int = 1, exc: BaseException | None = None) -> NoReturn:
         sys.stderr.flush()
         time.sleep(LOST_PEER_DELAY_S)
     exit_now(code)
+
+
+def leave_with(code: int) -> None:
+    """Note that a watchdog thread is about to end this process with `code`: a failure the
+    main thread reports meanwhile (a collective that lost its peers) exits with it, silently."""
+    _leaving.append(code)
 
 
 def _user_frames(tb):
