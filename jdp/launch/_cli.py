@@ -10,10 +10,9 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
 
-from jdp.launch import _env, _net, _rounds, _supervisor
+from jdp.launch import _env, _goodput, _net, _rounds, _supervisor
 from jdp.launch._outcome import Job, Outcome
 
 WHO = "jdp.launch"
@@ -31,15 +30,16 @@ The script calls jdp.initialize(), which reads the variables below.
 
 EPILOG = """\
 environment of each process:
-  RANK               global rank: node_rank * nproc_per_node + LOCAL_RANK
+  RANK               global rank: NODE_RANK * nproc_per_node + LOCAL_RANK
   LOCAL_RANK         rank on this node, 0..nproc_per_node-1 (jdp.initialize binds the process
                      to GPU LOCAL_RANK when LOCAL_WORLD_SIZE > 1)
-  WORLD_SIZE         nnodes * nproc_per_node
+  WORLD_SIZE         JDP_NNODES * nproc_per_node
   LOCAL_WORLD_SIZE   nproc_per_node
-  NODE_RANK          --node_rank
+  NODE_RANK          --node_rank (elastic: this node's index among the round's nodes)
+  JDP_NNODES         --nnodes (elastic: the nodes of this round)
   MASTER_ADDR        --master_addr: where process 0 runs its coordinator
   MASTER_PORT        --master_port, or a free port chosen here (fresh each round) on one node
-  JDP_RESTART_COUNT  the round: 0 on the first attempt, k on the k-th restart
+  JDP_RESTART_COUNT  the round: 0 on the first, then 1, 2, ... for every round after
   PYTHONUNBUFFERED   1, so output arrives line by line
   XLA_FLAGS          with --devices_per_process k: --xla_force_host_platform_device_count=k
   JAX_COMPILATION_CACHE_DIR  shared by all processes, so a restart loads its compiled steps:
@@ -63,6 +63,16 @@ rounds (--max_restarts K, --nnodes M): a job runs in rounds; after a failure all
   first failure. A launcher that vanishes counts as a failure of its node; the next round
   waits (up to 300 s) for a launcher of that node to connect.
 
+elastic (--nnodes MIN:MAX, --rdzv_timeout S): a round starts when MAX nodes are there, or with
+  the nodes there once at least MIN are and S seconds (default 30) have passed. A lost node (its
+  launcher gone) does not end the job: the next round goes on with the others, nodes and ranks
+  numbered densely (node 0, which runs the coordinator, stays node 0); each such round uses one
+  of --max_restarts. A launcher started during a round joins at the next one: every rank gets
+  SIGTERM, a loop that asks jdp.preempted() saves and leaves at one step, and the job goes on
+  with the new node (a planned restart, not counted in --max_restarts). Node 0 lost: every
+  other launcher exits 1 saying so; start the job again. --node_rank names a node for the whole
+  job (0..MAX-1; node 0 on the --master_addr machine).
+
 stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S): jdp's steps, Loader and
   Checkpointer record each rank's progress; once any rank recorded some, S seconds without
   progress on every rank stop the job: the ranks behind are named with their Python stacks,
@@ -85,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1, metavar="N",
                    help="processes to start on this node (default 1); usually one per GPU")
-    p.add_argument("--nnodes", type=int, default=1, metavar="M",
-                   help="number of nodes (machines) in the job (default 1)")
+    p.add_argument("--nnodes", default="1", metavar="M|MIN:MAX",
+                   help="number of nodes (machines) in the job (default 1); MIN:MAX for an\n"
+                        "elastic job that goes on with MIN..MAX nodes (see 'elastic' below)")
     p.add_argument("--node_rank", "--node-rank", type=int, default=0, metavar="R",
                    help="index of this node, 0..M-1 (default 0); node 0 hosts the coordinator")
     p.add_argument("--master_addr", "--master-addr", default="127.0.0.1", metavar="A",
@@ -97,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv_port", "--rdzv-port", type=int, default=None, metavar="P",
                    help="with --nnodes > 1: port of node 0's launcher, which starts and\n"
                         "restarts the rounds of every node (default MASTER_PORT+1)")
+    p.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=None, metavar="S",
+                   help=f"with --nnodes MIN:MAX: how long a round waits for MAX nodes once\n"
+                        f"MIN are there (default {_rounds.RDZV_TIMEOUT_S:g})")
     p.add_argument("--logdir", "--log-dir", default=None, metavar="DIR",
                    help="also write each process's output to DIR/rank.K/{stdout,stderr}")
     p.add_argument("--redirect_stdout_and_stderr", action="store_true",
@@ -139,8 +153,8 @@ def _problem(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the arguments, as a one-line message with the fix."""
     if args.nproc_per_node < 1:
         return f"--nproc_per_node {args.nproc_per_node}: must be >= 1 (processes on this node)"
-    if args.nnodes < 1:
-        return f"--nnodes {args.nnodes}: must be >= 1"
+    if problem := _nodes_problem(args):
+        return problem
     if not 0 <= args.node_rank < args.nnodes:
         return (f"--node_rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes "
                 f"{args.nnodes}); number the nodes 0..{args.nnodes - 1}")
@@ -168,6 +182,27 @@ def _problem(args: argparse.Namespace) -> str | None:
     if args.rdzv_port is not None and not 0 < args.rdzv_port < 65536:
         return f"--rdzv_port {args.rdzv_port}: must be in 1..65535"
     return _script_problem(args) or _port_problem(args)
+
+
+def _nodes_problem(args: argparse.Namespace) -> str | None:
+    """Parse --nnodes M or MIN:MAX into args.nnodes (the most nodes) and args.min_nodes (None:
+    fixed size), and --rdzv_timeout; a message when they make no sense."""
+    text = str(args.nnodes)
+    low, colon, high = text.partition(":")
+    if not (low.isdigit() and (high.isdigit() or not colon)):
+        return (f"--nnodes {text!r} is not a number of nodes M or a range MIN:MAX "
+                "(e.g. --nnodes 2 or --nnodes 1:4)")
+    args.nnodes, args.min_nodes = int(high or low), int(low) if colon else None
+    if args.nnodes < 1 or colon and not 1 <= args.min_nodes <= args.nnodes:
+        return f"--nnodes {text}: must be M >= 1 or MIN:MAX with 1 <= MIN <= MAX"
+    if args.rdzv_timeout is not None and not colon:
+        return (f"--rdzv_timeout {args.rdzv_timeout:g} needs an elastic --nnodes MIN:MAX "
+                f"(here --nnodes {text}, a fixed size that waits for every node)")
+    if args.rdzv_timeout is not None and not args.rdzv_timeout >= 0:
+        return f"--rdzv_timeout {args.rdzv_timeout:g}: must be a number of seconds >= 0"
+    if args.rdzv_timeout is None:
+        args.rdzv_timeout = _rounds.RDZV_TIMEOUT_S
+    return None
 
 
 def _seconds_problem(args: argparse.Namespace, name: str, env_name: str,
@@ -216,15 +251,19 @@ def command(args: argparse.Namespace) -> list:
 
 
 def rank_specs(args: argparse.Namespace, port: int, attempt: int,
-               extra_env: dict | None = None) -> list:
-    """One RankSpec per local process, each with its environment built by rank_env."""
-    world = args.nnodes * args.nproc_per_node
+               extra_env: dict | None = None, place: _rounds.Round | None = None) -> list:
+    """One RankSpec per local process, each with its environment built by rank_env; `place`
+    is this node's place in the round (default: --node_rank of --nnodes, all present)."""
+    place = place or _rounds.Round(args.node_rank, args.nnodes,
+                                   args.node_rank * args.nproc_per_node,
+                                   args.nnodes * args.nproc_per_node, None, None)
+    base = {**os.environ, **(extra_env or {}), _env.NNODES: str(place.nnodes)}
     specs = []
     for local in range(args.nproc_per_node):
-        rank = args.node_rank * args.nproc_per_node + local
+        rank = place.first_rank + local
         env = _supervisor.rank_env(
-            {**os.environ, **(extra_env or {})}, rank=rank, local_rank=local, world_size=world,
-            local_world_size=args.nproc_per_node, node_rank=args.node_rank,
+            base, rank=rank, local_rank=local, world_size=place.world,
+            local_world_size=args.nproc_per_node, node_rank=place.node_rank,
             master_addr=args.master_addr, master_port=port, restart_count=attempt,
             devices_per_process=args.devices_per_process)
         specs.append(_supervisor.RankSpec(rank, command(args), env))
@@ -238,14 +277,19 @@ def launch(args: argparse.Namespace) -> int:
     limits = _supervisor.Limits(stop_grace_s=args.stop_grace,
                                 progress_timeout_s=args.progress_timeout)
     with _compilation_cache(args) as cache_env:
-        def run_round(r: int, stop: threading.Event) -> Outcome:
+        def run_round(r: int, place: _rounds.Round) -> Outcome:
             port = args.master_port or _net.free_port(args.master_addr)   # fresh per round
             output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
                                         append=r > 0)
-            return _supervisor.run(rank_specs(args, port, r, cache_env), output, limits, stop)
+            return _supervisor.run(rank_specs(args, port, r, cache_env, place), output, limits,
+                                   place.stop, ledger, place.drain)
 
         rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
-        return _rounds.run(job, args.max_restarts, rdzv, run_round)
+        ledger = _goodput.Ledger(WHO, args.logdir, args.node_rank)   # where the time went
+        status = _rounds.run(job, args.max_restarts, rdzv, run_round, args.min_nodes,
+                             args.rdzv_timeout)
+        ledger.finish()
+        return status
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ RESTART_COUNT = "JDP_RESTART_COUNT"
 RANK_VARS = (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR,
              MASTER_PORT, RESTART_COUNT)
 """Every variable the launcher sets to place a rank in its job (tests clear these)."""
+NNODES = "JDP_NNODES"   # the launcher's nodes in this round (elastic jobs change it)
 
 # Settings a user may put in the environment.
 INIT_TIMEOUT = "JDP_INIT_TIMEOUT"

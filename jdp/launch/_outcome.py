@@ -34,9 +34,11 @@ class RankExit(NamedTuple):
 
 
 class Stall(NamedTuple):
-    """What the watchdog saw: every rank's RankProgress, and rank -> stack dump."""
+    """What the watchdog saw: every rank's RankProgress, and rank -> stack dump; `finished`
+    names ranks that finished while peers wait in a later step (no timeout needed then)."""
     progress: list
     stacks: dict
+    finished: str = ""
 
 
 class Stop(NamedTuple):
@@ -113,11 +115,12 @@ def report(outcome: Outcome, job: Job) -> str:
 
 def _stalled(stall: Stall, who: str, timeout_s: float) -> str:
     """Who is behind, their stacks (the first few), where the rest went."""
-    lines = [f"{who}: no rank made progress for {timeout_s:g} s (--progress_timeout): "
-             f"{_watchdog.describe(stall.progress)}."]
+    lines = [f"{who}: {stall.finished}: the step they wait in can never complete."
+             if stall.finished else f"{who}: no rank made progress for {timeout_s:g} s "
+             f"(--progress_timeout): {_watchdog.describe(stall.progress)}."]
     for rank in sorted(stall.stacks)[:_watchdog.MAX_STACKS]:
         dump = stall.stacks[rank].rstrip("\n").splitlines()
-        lines.append(f"{who}: Python stack of rank {rank} (most recent call first):")
+        lines.append(f"{who}: Python stack of rank {rank}:")
         lines += [f"  {line}" for line in dump[:_STACK_LINES]]
         if len(dump) > _STACK_LINES:
             lines.append(f"  ... {len(dump) - _STACK_LINES} more line(s)")
@@ -135,3 +138,29 @@ def _stopped(stop: Stop, who: str) -> str:
                       if code is not None)
     return (f"{who}: received {name}; passed it on; all {len(stop.codes)} process(es) have "
             f"stopped ({ended}).")
+
+
+def round_line(r: int, previous: dict, members: dict, restarts: int, max_restarts: int,
+               planned: bool) -> str:
+    """The one line every launcher prints when round r starts: who was lost or joined (by
+    --node_rank and host), the new size, and which restart it is.
+
+    `previous` and `members` map --node_rank to a value with `host` and `nproc`, for the nodes
+    of round r-1 and of round r.
+    """
+    world, n = sum(m.nproc for m in members.values()), len(members)
+    lost = [f"node {k} ({m.host})" for k, m in previous.items() if k not in members]
+    joined = [f"node {k} ({m.host})" for k, m in members.items() if k not in previous]
+    budget = ("a planned restart, not counted in --max_restarts" if planned
+              else f"restart {restarts} of {max_restarts}")
+    if not lost and not joined:
+        nodes = f" of {n} nodes" if n > 1 else ""
+        if planned:
+            return f"jdp.launch: round {r} ({budget}): starting all {world} processes{nodes} again."
+        return f"jdp.launch: {budget}: starting all {world} processes{nodes} again."
+    changes = ([f"lost {', '.join(lost)}"] if lost else []) + (
+        [f"{', '.join(joined)} joined"] if joined else [])
+    moved = [f"node {k} is NODE_RANK {d}" for d, k in enumerate(members) if d != k]
+    return (f"jdp.launch: round {r} ({budget}): {'; '.join(changes)}; going on with {n} "
+            f"node(s), {world} processes{' (' + ', '.join(moved) + ')' if moved else ''}, "
+            "from the script's latest checkpoint.")

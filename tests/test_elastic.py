@@ -1,0 +1,229 @@
+"""Elastic jobs (`--nnodes MIN:MAX`): a lost node does not end the job, a returning one rejoins.
+
+Three launchers on 127.0.0.1 play three nodes of one process each (1 CPU device). Every rank
+logs the example ids it trains at each step; the ids that count are those of the steps the
+final state descends from: round q's steps up to the step round q+1 restored from. Together
+they must be every example of the epoch exactly once (an independent count, from the logs,
+not from the Loader's own bookkeeping).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections import Counter
+
+from conftest import (
+    free_port,
+    job_env,
+    job_processes,
+    start_launcher,
+    wait_until_gone,
+    write_script,
+)
+
+N = 120               # examples in the epoch
+BATCH = 2             # per process: 3 processes train 6 examples a step, 2 train 4
+RDZV_TIMEOUT = 5
+
+TRAIN = """
+import json, os, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+import jdp
+
+jdp.initialize()
+N = int(sys.argv[2])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(N, 4)).astype(np.float32)
+source = {"x": x, "y": x @ np.arange(4, dtype=np.float32), "id": np.arange(N)}
+state = jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros(4)}, tx=optax.sgd(0.05))
+step = jdp.train_step(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2))
+state = jdp.broadcast(state)
+sampler = jdp.data.DistributedSampler(N, shuffle=True, seed=0)
+loader = jdp.data.Loader(source, batch_size=int(sys.argv[3]), sampler=sampler)
+ckpt = jdp.checkpoint.Checkpointer(sys.argv[1])
+state = ckpt.restore(state, loader=loader)
+n = ckpt.latest_step() or 0
+r, env = int(os.environ["JDP_RESTART_COUNT"]), os.environ
+print("START " + json.dumps({"round": r, "from": n, "world": jax.process_count(),
+      "nnodes": int(env["JDP_NNODES"]), "node": int(env["NODE_RANK"]), "rank": int(env["RANK"]),
+      "time": time.time()}), flush=True)
+for epoch in range(loader.epoch, 1):
+    loader.set_epoch(epoch)
+    for batch in loader:
+        state, metrics = step(state, batch)
+        n += 1
+        ids = np.concatenate([np.asarray(s.data) for s in batch["id"].addressable_shards])
+        mask = np.concatenate([np.asarray(s.data) for s in batch["mask"].addressable_shards])
+        print("IDS " + json.dumps({"round": r, "step": n, "ids": ids[mask].tolist(),
+                                   "time": time.time()}), flush=True)
+        ckpt.save(n, state, loader=loader)
+        if jdp.preempted():   # also the launcher's planned restart when a node joins
+            break
+        time.sleep(0.3)
+print("FINAL " + json.dumps({"round": r, "step": n, "world": jax.process_count()}), flush=True)
+"""
+
+
+def records(text: str, kind: str) -> list:
+    return [json.loads(line.split(kind + " ", 1)[1]) for line in text.splitlines()
+            if line.startswith(kind + " ")]
+
+
+def launcher(tmp_path, tag, port, node, script):
+    """Node `node`'s launcher of the 2:3 job, its console in nodeK.txt (appended)."""
+    args = ["--nnodes", "2:3", "--rdzv_timeout", RDZV_TIMEOUT, "--node_rank", node,
+            "--nproc_per_node", 1, "--master_port", port, "--max_restarts", 2,
+            "--logdir", tmp_path / f"logs{node}", "--redirect_stdout_and_stderr",
+            "--compilation_cache", tmp_path / "cache", script, tmp_path / "ckpt", N, BATCH]
+    with open(tmp_path / f"node{node}.txt", "a") as console:
+        return start_launcher(args, job_env(tag), stdout=console, stderr=subprocess.STDOUT)
+
+
+def rank_log(tmp_path, node: int) -> str:
+    """Everything node `node`'s ranks printed, over all rounds (a rank's number changes with
+    the rounds, so every rank.K of that node's log directory)."""
+    root = tmp_path / f"logs{node}"
+    return "".join((root / d / "stdout").read_text() for d in sorted(os.listdir(root))
+                   if d.startswith("rank."))
+
+
+def wait_for(predicate, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def steps_of(tmp_path, node: int, round_: int) -> int:
+    root = tmp_path / f"logs{node}"
+    if not root.exists():
+        return 0
+    return sum(1 for rec in records(rank_log(tmp_path, node), "IDS") if rec["round"] == round_)
+
+
+def kill_node(tag: str, node_launcher: subprocess.Popen) -> float:
+    """SIGKILL a node's launcher and its rank together; the time of the kill."""
+    pids = [p.pid for p in job_processes(tag)
+            if p.ppid() == node_launcher.pid or p.pid == node_launcher.pid]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    node_launcher.wait(timeout=10)
+    return time.time()
+
+
+def last_final(tmp_path, node: int) -> dict:
+    """The FINAL record of the node's last round."""
+    return max(records(rank_log(tmp_path, node), "FINAL"), key=lambda rec: rec["round"])
+
+
+def trained_once(tmp_path, nodes) -> Counter:
+    """How often each example id was trained in the steps the final state descends from."""
+    starts, steps = {}, []
+    for node in nodes:
+        text = rank_log(tmp_path, node)
+        starts.update({rec["round"]: rec["from"] for rec in records(text, "START")})
+        steps += records(text, "IDS")
+    rounds = sorted(starts)
+    kept = Counter()
+    for rec in steps:
+        later = [starts[q] for q in rounds if q > rec["round"]]
+        if not later or rec["step"] <= later[0]:   # not redone by the round after
+            kept.update(rec["ids"])
+    return kept
+
+
+def start_job(tmp_path, tag):
+    script = write_script(tmp_path, "train.py", TRAIN)
+    port = free_port()
+    return script, port, [launcher(tmp_path, tag, port, k, script) for k in range(3)]
+
+
+def test_a_lost_node_leaves_the_others_to_finish_the_epoch_each_example_once(tmp_path, tag):
+    script, port, nodes = start_job(tmp_path, tag)
+    try:
+        wait_for(lambda: steps_of(tmp_path, 1, 0) >= 3, "node 1 never ran 3 steps", 240)
+        lost_at = kill_node(tag, nodes[1])
+        codes = [nodes[k].wait(timeout=240) for k in (0, 2)]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    consoles = [(tmp_path / f"node{k}.txt").read_text() for k in range(3)]
+    assert codes == [0, 0], consoles
+    for k in (0, 2):   # one summary line for the round, on every launcher left
+        line = re.findall(r"jdp.launch: round 1 .*", consoles[k])
+        assert len(line) == 1 and "lost node 1" in line[0], consoles[k]
+        assert "going on with 2 node(s), 2 processes" in line[0], line
+        assert "lost the launcher of node 1" in consoles[k], consoles[k]
+        assert last_final(tmp_path, k)["world"] == 2
+    node2 = sorted(records(rank_log(tmp_path, 2), "START"), key=lambda rec: rec["round"])
+    assert [(s["round"], s["world"], s["nnodes"], s["node"], s["rank"]) for s in node2] == [
+        (0, 3, 3, 2, 2), (1, 2, 2, 1, 1)], node2   # renumbered densely in round 1
+    kept = trained_once(tmp_path, (0, 1, 2))
+    assert sorted(kept) == list(range(N)) and set(kept.values()) == {1}, kept
+    first_step = min(rec["time"] for rec in records(rank_log(tmp_path, 0), "IDS")
+                     if rec["round"] == 1)
+    gap = first_step - lost_at
+    print(f"loss of node 1 -> first step of round 1 on 2 nodes: {gap:.1f} s "
+          f"(--rdzv_timeout {RDZV_TIMEOUT})")
+    assert gap < RDZV_TIMEOUT + 90   # rdzv wait + backoff + start, restore, compile (cached)
+    wait_until_gone(tag, timeout=30)
+
+
+def test_a_node_started_again_rejoins_and_the_job_ends_with_three(tmp_path, tag):
+    script, port, nodes = start_job(tmp_path, tag)
+    try:
+        wait_for(lambda: steps_of(tmp_path, 1, 0) >= 3, "node 1 never ran 3 steps", 240)
+        kill_node(tag, nodes[1])
+        wait_for(lambda: steps_of(tmp_path, 0, 1) >= 3, "round 1 never ran 3 steps", 240)
+        joined_at = time.time()
+        nodes.append(launcher(tmp_path, tag, port, 1, script))
+        codes = [nodes[k].wait(timeout=240) for k in (0, 2, 3)]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    consoles = [(tmp_path / f"node{k}.txt").read_text() for k in range(3)]
+    assert codes == [0, 0, 0], consoles
+    for k in range(3):
+        line = re.findall(r"jdp.launch: round 2 .*", consoles[k])
+        assert len(line) == 1 and "node 1 (" in line[0] and "joined" in line[0], consoles[k]
+        assert "going on with 3 node(s), 3 processes" in line[0], line
+        assert "planned restart" in line[0], line
+        assert last_final(tmp_path, k)["world"] == 3
+    kept = trained_once(tmp_path, (0, 1, 2))
+    assert sorted(kept) == list(range(N)) and set(kept.values()) == {1}, kept
+    starts = sorted(records(rank_log(tmp_path, 0), "START"), key=lambda rec: rec["round"])
+    assert [s["world"] for s in starts] == [3, 2, 3], starts
+    ends = [rec for rec in records(rank_log(tmp_path, 0), "IDS") if rec["round"] == 1]
+    assert starts[2]["from"] == ends[-1]["step"], (starts, ends)   # nothing redone
+    first_step = min(rec["time"] for rec in records(rank_log(tmp_path, 0), "IDS")
+                     if rec["round"] == 2)
+    print(f"node 1 started again -> first step of round 2 on 3 nodes: "
+          f"{first_step - joined_at:.1f} s (launcher start, drain at one step, restart)")
+    wait_until_gone(tag, timeout=30)
+
+
+def test_losing_node_0_ends_the_job_on_every_node_with_what_to_do(tmp_path, tag):
+    script, port, nodes = start_job(tmp_path, tag)
+    try:
+        wait_for(lambda: steps_of(tmp_path, 2, 0) >= 2, "node 2 never ran 2 steps", 240)
+        lost_at = kill_node(tag, nodes[0])
+        codes = [nodes[k].wait(timeout=60) for k in (1, 2)]
+        waited = time.time() - lost_at
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for k in (1, 2):
+        console = (tmp_path / f"node{k}.txt").read_text()
+        assert "lost node 0's launcher" in console and "start the launchers again" in console
+    assert codes == [1, 1]
+    print(f"node 0 lost -> the other launchers exited after {waited:.1f} s")
+    assert waited < 15
+    wait_until_gone(tag, timeout=30)
