@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections import Counter
 
+import pytest
 from conftest import (
     free_port,
     job_env,
@@ -227,3 +228,122 @@ def test_losing_node_0_ends_the_job_on_every_node_with_what_to_do(tmp_path, tag)
     print(f"node 0 lost -> the other launchers exited after {waited:.1f} s")
     assert waited < 15
     wait_until_gone(tag, timeout=30)
+
+
+# --- the round protocol without processes: launchers as threads, their ranks as callables ---
+
+def node_thread(results, node, port, run_round, min_nodes=2, max_nodes=3, rdzv_timeout=0.3):
+    """Node `node`'s launcher (_rounds.run) in a thread; its exit status lands in results."""
+    import threading
+
+    from jdp.launch import _rounds
+    from jdp.launch._outcome import Job
+    job = Job("jdp.launch", max_nodes, max_nodes, node)
+
+    def target():
+        results[node] = _rounds.run(job, 1, ("127.0.0.1", port), run_round, min_nodes,
+                                    rdzv_timeout)
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def recording(places, node, until=None):
+    """A run_round that records this node's Round per round and ends as `until(r, place)`."""
+    from jdp.launch._outcome import Outcome, State
+
+    def run_round(r, place):
+        places.setdefault(node, []).append((r, place[:4]))
+        return until(r, place) if until else Outcome(State.SUCCEEDED)
+    return run_round
+
+
+def test_rounds_go_on_without_a_lost_node_renumbered_densely(capsys):
+    from jdp.launch import _net
+    from jdp.launch._outcome import Outcome, State
+    port, places, results = free_port(), {}, {}
+
+    def until_stopped(r, place):   # round 0 runs until the keeper stops it
+        if r == 0:
+            assert place.stop.wait(10), "round 0 was never stopped"
+            return Outcome(State.STOPPED)
+        return Outcome(State.SUCCEEDED)
+
+    threads = [node_thread(results, k, port, recording(places, k, until_stopped))
+               for k in (0, 2)]
+    lost = _net.connect("127.0.0.1", port, 10)          # node 1, spoken by hand
+    _net.send(lost, {"node": 1, "host": "host-b", "nproc": 1})
+    assert _net.receive_one(lost, 10)["start"] == 0
+    lost.close()                                        # its launcher vanishes mid-round
+    for t in threads:
+        t.join(timeout=20)
+    assert results == {0: 0, 2: 0}
+    assert places[0] == [(0, (0, 3, 0, 3)), (1, (0, 2, 0, 2))]
+    assert places[2] == [(0, (2, 3, 2, 3)), (1, (1, 2, 1, 2))]   # NODE_RANK 1, RANK 1 now
+    err = capsys.readouterr().err
+    assert err.count("jdp.launch: lost the launcher of node 1 on host-b") == 2, err
+    assert err.count("jdp.launch: round 1 (restart 1 of 1): lost node 1 (host-b); going on "
+                     "with 2 node(s), 2 processes (node 2 is NODE_RANK 1)") == 2, err
+
+
+def test_a_launcher_that_connects_mid_round_drains_it_and_joins_the_next(capsys):
+    import threading
+
+    from jdp.launch import _net
+    from jdp.launch._outcome import Outcome, State
+    port, places, results, joined = free_port(), {}, {}, threading.Event()
+
+    def until_drained(r, place):   # round 0 (2 nodes) runs until the keeper drains it
+        if r == 0:
+            joined.set()
+            assert place.drain.wait(10), "round 0 was never drained"
+            assert not place.stop.is_set()
+            return Outcome(State.STOPPED)
+        return Outcome(State.SUCCEEDED)
+
+    threads = [node_thread(results, k, port, recording(places, k, until_drained))
+               for k in (0, 2)]
+    assert joined.wait(20)
+    twin = _net.connect("127.0.0.1", port, 10)          # a second node 2 is refused
+    _net.send(twin, {"node": 2, "host": "host-c", "nproc": 1})
+    refused = _net.receive_one(twin, 10)
+    twin.close()
+    assert refused["exit"] == 1 and "node 2 is already in the job" in refused["report"]
+    threads.append(node_thread(results, 1, port, recording(places, 1)))
+    for t in threads:
+        t.join(timeout=20)
+    assert results == {0: 0, 1: 0, 2: 0}
+    assert places[0] == [(0, (0, 2, 0, 2)), (1, (0, 3, 0, 3))]
+    assert places[1] == [(1, (1, 3, 1, 3))]
+    assert places[2] == [(0, (1, 2, 1, 2)), (1, (2, 3, 2, 3))]
+    err = capsys.readouterr().err
+    assert err.count("jdp.launch: round 1 (a planned restart, not counted in --max_restarts): "
+                     "node 1 (") == 3, err
+
+
+def test_an_elastic_round_waits_for_min_nodes_and_says_who_is_missing():
+    from jdp.launch import _rounds
+    keeper = _rounds.Keeper((2, 3), 0, None, rdzv_timeout_s=0.0)
+    try:
+        keeper.nodes = {0: None}
+        assert "only 1 node(s) [0] connected within 300 s; --nnodes 2:3 needs at least 2: " \
+               "start the launchers of more of the nodes [1, 2]" == keeper._missing(300.0)
+    finally:
+        keeper.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2:x"], "--nnodes '2:x' is not a number of nodes M or a range MIN:MAX"),
+    (["--nnodes", "3:2"], "--nnodes 3:2: must be M >= 1 or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "0"], "--nnodes 0: must be M >= 1"),
+    (["--nnodes", "3", "--rdzv_timeout", "5", "--master_port", "1234"],
+     "--rdzv_timeout 5 needs an elastic --nnodes MIN:MAX"),
+    (["--nnodes", "1:3", "--node_rank", "3", "--master_port", "1234"],
+     "--node_rank 3 is not in 0..2"),
+])
+def test_bad_elastic_arguments_exit_2_with_one_line(argv, message, capsys):
+    import jdp.launch
+    with pytest.raises(SystemExit) as exit_info:
+        jdp.launch.main([*argv, "x.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
