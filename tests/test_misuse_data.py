@@ -3,11 +3,16 @@
 Issue 17's data cases first (nested loops, swallowed __getitems__ errors, string fields,
 unnamed failing examples), then the argument mistakes a new user makes.
 """
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
 from conftest import one_line_error as refused
 
 from jdp.data import DistributedSampler, Loader
+from jdp.data._background import WorkerTraceback
 
 N = 40
 
@@ -158,3 +163,117 @@ def test_positions_that_are_not_positions():
     refused(TypeError, ["epoch=None", "state_dict"], loader.load_state_dict, {"step": 1})
     refused(ValueError, ["drop_last=True", "batch_size=48"], Loader, source(), 48,
             drop_last=True)
+
+
+# --- issue 26: every wait has its timeout; the same error shuffled or not ---------------------
+
+RELEASE = threading.Event()  # set at the end of a test: a stuck read in this process returns
+
+
+class Stuck:
+    """A source whose reads never return (in a worker: until it is killed)."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        RELEASE.wait(30)
+        return {"x": np.float32(i)}
+
+
+@pytest.fixture
+def release():
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stuck_source_times_out_in_every_configuration(release, num_workers, prefetch):
+    loader = Loader(Stuck(), 8, prefetch=prefetch, num_workers=num_workers, timeout=1)
+    start = time.monotonic()
+    refused(TimeoutError, ["no batch arrived within timeout=1 s"], first, loader)
+    assert time.monotonic() - start < 10
+    loader.close()
+
+
+class StuckWhile:
+    """A source whose reads wait (up to 30 s) while the file `flag` exists, in any process."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        deadline = time.monotonic() + 30
+        while os.path.exists(self.flag) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {"x": np.float32(i)}
+
+
+def test_after_a_timeout_the_workers_are_replaced_and_the_next_pass_reads(tmp_path):
+    flag = tmp_path / "stuck"
+    loader = Loader(StuckWhile(flag), 8, num_workers=2, prefetch=0, timeout=2)
+    first(loader)
+    pids = loader._pool.pids()
+    flag.touch()
+    try:
+        refused(TimeoutError, ["timeout=2 s"], first, loader)
+    finally:
+        flag.unlink()
+    assert float(np.asarray(first(loader)["x"]).sum()) == sum(range(8, 16))
+    assert set(loader._pool.pids()).isdisjoint(pids)   # the busy workers were replaced
+    loader.close()
+
+
+class Keys(Examples):
+    """Example 5 has field 'y' where the others have 'x'."""
+
+    def __getitem__(self, i):
+        return {"y": np.float32(i)} if i == 5 else {"x": np.float32(i)}
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_examples_with_different_fields_name_the_odd_index_shuffled_or_not(shuffle):
+    def epoch():
+        for _ in Loader(Keys(), 8, shuffle=shuffle, prefetch=0):
+            pass
+    error = refused(ValueError, ["example(s) [5] have ['y'], but example(s) [",
+                                 "have ['x']; every example must have the same fields"], epoch)
+    assert "KeyError" not in str(error)
+
+
+def test_sampler_set_epoch_inside_an_epoch_is_refused_not_ignored():
+    loader = Loader(source(), 8)
+    batches = iter(loader)
+    next(batches)
+    loader.sampler.set_epoch(3)
+    refused(RuntimeError, ["sampler.set_epoch(3) was called inside epoch 0", "after 1 of 5",
+                           "before iterating"], next, batches)
+    assert (loader.epoch, loader.step, loader.sampler.epoch) == (0, 1, 0)
+    loader.sampler.set_epoch(3)        # between epochs it moves the loader, as documented
+    assert (loader.epoch, loader.step) == (3, 0)
+
+
+def failing_transform(batch):
+    if 13 in batch["id"]:
+        raise ZeroDivisionError("bad pixel")
+    return batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_failing_transform_names_the_examples_and_keeps_its_traceback(num_workers):
+    loader = Loader(source(), 8, transform=failing_transform, num_workers=num_workers)
+    with pytest.raises(ZeroDivisionError, match="bad pixel") as info:
+        for _ in loader:
+            pass
+    loader.close()
+    assert "Loader: raised by transform on batch 1 of epoch 0 (example indices [8, 9, 10, " \
+        "11, 12, 13, 14, 15])" in info.value.__notes__
+    if num_workers:    # the worker's own traceback, down to the raising line, is the cause
+        assert isinstance(info.value.__cause__, WorkerTraceback)
+        assert 'raise ZeroDivisionError("bad pixel")' in str(info.value.__cause__)
+        assert "in failing_transform" in str(info.value.__cause__)

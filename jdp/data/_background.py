@@ -23,6 +23,7 @@ import queue
 import signal
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -138,6 +139,13 @@ def _shutdown(stop: threading.Event, thread: threading.Thread) -> None:
         thread.join(timeout=_JOIN_S)
 
 
+class WorkerTraceback(Exception):
+    """The traceback of an error raised in a worker process (chained as its cause)."""
+
+    def __str__(self) -> str:
+        return "\n\n(in the worker process)\n" + self.args[0]
+
+
 class Cancelled(Exception):
     """A newer pass started (or the pool closed) while this one waited for a batch."""
 
@@ -215,7 +223,7 @@ class Pool:
                         break
                 kind, got, payload = self._next_result(b % k, b, plan, cancel)
             if kind == "error":
-                raise payload
+                raise payload[0] from WorkerTraceback(payload[1])
             assert got == b, (got, b)  # each worker answers in the order asked
             return payload
 
@@ -324,7 +332,7 @@ def _work(conn, recipe_bytes: bytes, parent: int) -> None:
         try:
             reply = ("ok", b, _sources.host_batch(recipe, plan, b))
         except Exception as err:  # noqa: BLE001 -- every error goes to the consumer
-            reply = ("error", b, _portable(err))
+            reply = ("error", b, (_portable(err), "".join(traceback.format_exception(err))))
         try:
             _send(conn, reply)
         except (OSError, ValueError):

@@ -176,6 +176,7 @@ class Loader:
                                          self.timeout)
         with contextlib.closing(batches), self._workers_broken_on_timeout():
             for batch in batches:
+                self._inside_epoch()
                 self._step += 1
                 _progress.record("data")  # a rank stuck reading shows phase "data"
                 yield batch
@@ -262,6 +263,15 @@ class Loader:
         self._close_active()
         self.sampler.set_epoch(epoch)
         self._epoch, self._start, self._step = epoch, start, step
+
+    def _inside_epoch(self) -> None:
+        """sampler.set_epoch(e) inside an epoch would change the order under a running pass."""
+        if self.sampler.epoch != self._epoch:
+            epoch, self.sampler.epoch = self.sampler.epoch, self._epoch
+            raise RuntimeError(f"Loader: sampler.set_epoch({epoch}) was called inside epoch "
+                               f"{self._epoch} (after {self._step} of {len(self)} batches); call "
+                               "set_epoch before iterating over the loader, or break out of "
+                               "the loop first")
 
     def _follow_sampler(self) -> None:
         """Someone called sampler.set_epoch(e) directly: treat it as ours."""

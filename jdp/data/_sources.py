@@ -163,6 +163,7 @@ def _stack(examples: Sequence, keys: list[int]) -> dict:
                         "of fields such as {'image': ..., 'label': ...}: make __getitem__ "
                         "return a dict")
     _check_no_mask(first, f"source[{keys[0]}]")
+    _same_fields(examples, keys)
     stacked = {}
     for field in first:
         try:
@@ -177,6 +178,19 @@ def _stack(examples: Sequence, keys: list[int]) -> dict:
                              f"across examples {shown(keys)}; make every example's {field!r} "
                              "the same shape (pad or resize it in the source)") from err
     return stacked
+
+
+def _same_fields(examples: Sequence, keys: list[int]) -> None:
+    """Every example has the same field names; else a ValueError naming the odd indices (the
+    same message whichever example of the batch comes first)."""
+    groups: dict[tuple, list[int]] = {}
+    for k, ex in zip(keys, examples, strict=True):
+        groups.setdefault(tuple(sorted(ex)) if isinstance(ex, Mapping) else (), []).append(k)
+    if len(groups) > 1:
+        (common, most), *rest = sorted(groups.items(), key=lambda g: (-len(g[1]), min(g[1])))
+        odd = ", ".join(f"example(s) {shown(sorted(ks))} have {list(f)}" for f, ks in rest)
+        raise ValueError(f"Loader: {odd}, but example(s) {shown(sorted(most))} have "
+                         f"{list(common)}; every example must have the same fields")
 
 
 def _check_no_mask(fields: Mapping, where: str) -> None:
@@ -233,7 +247,13 @@ def host_batch(recipe: Recipe, plan: EpochPlan, b: int) -> dict:
     fields = recipe.read(idx)
     if recipe.transform is not None:
         rng = {"rng": example_rngs(plan.seed, plan.epoch, idx)} if recipe.augment else {}
-        fields = check_transformed(recipe.transform(fields, **rng), plan.batch_size)
+        try:
+            out = recipe.transform(fields, **rng)
+        except Exception as err:
+            err.add_note(f"Loader: raised by transform on batch {b} of epoch {plan.epoch} "
+                         f"(example indices {shown(idx.tolist())})")
+            raise
+        fields = check_transformed(out, plan.batch_size)
     check_dtypes(fields)
     return {**fields, MASK: real}
 

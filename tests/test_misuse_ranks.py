@@ -1,0 +1,209 @@
+"""Ranks that disagree, values that must arrive exactly, a job nobody joined: 2 ranks under
+`python -m jdp.launch` on 127.0.0.1.
+
+One job runs every case in turn (each rank prints `CASE <name> <seconds> <outcome>`), so the
+cases cost one launch; each case is then its own test. A disagreement must raise on every rank,
+within seconds, naming what differs and on which processes; host values must arrive bit for bit.
+"""
+import json
+import re
+
+import numpy as np
+import pytest
+from conftest import job_env, run_python, wait_until_gone, write_script
+
+RANKS = """
+import json, sys, time
+import jax, ml_dtypes, numpy as np
+import jdp
+
+jdp.initialize()
+r = jax.process_index()
+
+
+def case(name, fn):
+    start = time.monotonic()
+    try:
+        outcome = "ok " + json.dumps(fn())
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    print(f"CASE {name} {time.monotonic() - start:.2f} {outcome}", flush=True)
+
+
+def broadcast(mine, theirs):
+    return lambda: jdp.broadcast_from_primary(mine if r == 0 else theirs) and None
+
+
+def loader(mine, theirs, data=16):
+    def run():
+        kwargs = mine if r == 0 else theirs
+        n = kwargs.pop("n", data)
+        batch = next(iter(jdp.data.Loader({"x": np.arange(n, dtype=np.float32)}, **kwargs)))
+        return int(np.asarray(batch["x"].addressable_data(0)).sum())
+    return run
+
+
+z = np.zeros
+case("shape", broadcast({"w": z(3, np.float32)}, {"w": z(4, np.float32)}))
+case("dtype", broadcast({"w": z(3, np.float32)}, {"w": z(3, np.float64)}))
+case("keys", broadcast({"w": z(3)}, {"v": z(3)}))
+case("extra_leaf", broadcast({"w": z(3)}, {"w": z(3), "b": z(2)}))
+case("nested", broadcast({"a": {"k": z((3, 2))}}, {"a": {"k": z((2, 3))}}))
+case("list_length", broadcast([z(2), z(2)], [z(2), z(2), z(2)]))
+case("scalar_vs_vector", broadcast({"s": 1.0}, {"s": z(1)}))
+case("string_length", broadcast({"s": "relu"}, {"s": "gelu2"}))
+case("same_tree_after_errors", lambda: float(jdp.broadcast_from_primary(
+    {"w": np.full(3, 7.0 + r)})["w"].sum()))
+
+VALUES = {"int64": np.int64(2**40 + 3), "float64_big": np.float64(1e300),
+          "float64_tenth": np.float64(0.1), "bool": np.array([True, False, True]),
+          "uint8": np.arange(250, 256, dtype=np.uint8), "int8": np.array([-128, 127], np.int8),
+          "uint64": np.uint64(2**64 - 1), "complex128": np.complex128(1e300 + 0.1j),
+          "float16": np.float16(65504), "bfloat16": np.array([1.5, -3.25], ml_dtypes.bfloat16),
+          "negative_zero": np.float32(-0.0),
+          "nan_payload": np.array([0x7FC00001], np.uint32).view(np.float32),
+          "python_int": 2**40 + 3, "python_float": 0.1, "empty": np.zeros((0, 3)),
+          "matrix": np.arange(12, dtype=np.float64).reshape(3, 4) / 3}
+garbled = {k: np.asarray(v) + np.asarray(v).dtype.type(1) if np.asarray(v).dtype != bool
+           else ~np.asarray(v) for k, v in VALUES.items()}
+case("values", lambda: {k: [str(v.dtype), list(v.shape), np.ascontiguousarray(v).tobytes().hex()]
+                        for k, v in jdp.broadcast_from_primary(
+                            VALUES if r == 0 else garbled).items()})
+
+case("loader_num_examples", loader({"batch_size": 4}, {"batch_size": 4, "n": 20}))
+case("loader_batch_size", loader({"batch_size": 4}, {"batch_size": 8}))
+case("loader_seed", loader({"batch_size": 4, "shuffle": True, "seed": 1},
+                           {"batch_size": 4, "shuffle": True, "seed": 2}))
+case("loader_shuffle", loader({"batch_size": 4, "shuffle": True}, {"batch_size": 4}))
+case("loader_drop_last", loader({"batch_size": 4, "drop_last": True}, {"batch_size": 4}))
+case("loader_layout", loader({"batch_size": 4}, {"batch_size": 4, "layout": "pmap"}))
+case("loader_agreeing", loader({"batch_size": 4}, {"batch_size": 4}))
+"""
+
+CASES = ["shape", "dtype", "keys", "extra_leaf", "nested", "list_length", "scalar_vs_vector",
+         "string_length"]
+LOADER_CASES = ["loader_num_examples", "loader_batch_size", "loader_seed", "loader_shuffle",
+                "loader_drop_last", "loader_layout"]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """{(rank, case): (seconds, outcome)} of one 2-rank job running every case."""
+    import uuid
+    tmp, tag = tmp_path_factory.mktemp("ranks"), uuid.uuid4().hex
+    script = write_script(tmp, "ranks.py", RANKS)
+    done = run_python(["-m", "jdp.launch", "--nproc_per_node", "2", script],
+                      env=job_env(tag), timeout=240)
+    wait_until_gone(tag, timeout=10)
+    found = {}
+    for line in done.stdout.splitlines() + done.stderr.splitlines():
+        m = re.match(r"\[rank(\d)\]: CASE (\S+) (\S+) (.*)$", line)
+        if m:
+            found[int(m[1]), m[2]] = (float(m[3]), m[4])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return found
+
+
+def _both(outcomes, name):
+    got = [outcomes.get((rank, name)) for rank in (0, 1)]
+    assert None not in got, (name, sorted(outcomes))
+    return got
+
+
+@pytest.mark.parametrize("name, words", [
+    ("shape", ["['w']: float32[3] on process(es) 0 but float32[4] on process(es) 1"]),
+    ("dtype", ["['w']: float32[3] on process(es) 0 but float64[3] on process(es) 1"]),
+    ("keys", ["['w']: float64[3] on process(es) 0 but absent on process(es) 1"]),
+    ("extra_leaf", ["['b']: absent on process(es) 0 but float64[2] on process(es) 1"]),
+    ("nested", ["['a']['k']: float64[3, 2] on process(es) 0 but float64[2, 3]"]),
+    ("list_length", ["[2]: absent on process(es) 0 but float64[2] on process(es) 1"]),
+    ("scalar_vs_vector", ["['s']: float64[] on process(es) 0 but float64[1]"]),
+    ("string_length", ["['s']: <U4[] on process(es) 0 but <U5[] on process(es) 1"]),
+])
+def test_a_tree_that_differs_between_ranks_raises_on_every_rank(outcomes, name, words):
+    for seconds, outcome in _both(outcomes, name):
+        assert outcome.startswith("ValueError: jdp.broadcast_from_primary: the processes "
+                                  "disagree on "), outcome
+        assert all(w in outcome for w in words), outcome
+        assert "every process must build the same tree" in outcome
+        assert seconds < 60, seconds
+
+
+def test_the_job_goes_on_after_a_disagreement(outcomes):
+    assert [o for _, o in _both(outcomes, "same_tree_after_errors")] == ["ok 21.0"] * 2
+
+
+def _expected_values():
+    import ml_dtypes
+    return {"int64": np.int64(2**40 + 3), "float64_big": np.float64(1e300),
+            "float64_tenth": np.float64(0.1), "bool": np.array([True, False, True]),
+            "uint8": np.arange(250, 256, dtype=np.uint8), "int8": np.array([-128, 127], np.int8),
+            "uint64": np.uint64(2**64 - 1), "complex128": np.complex128(1e300 + 0.1j),
+            "float16": np.float16(65504), "bfloat16": np.array([1.5, -3.25], ml_dtypes.bfloat16),
+            "negative_zero": np.float32(-0.0),
+            "nan_payload": np.array([0x7FC00001], np.uint32).view(np.float32),
+            "python_int": np.int64(2**40 + 3), "python_float": np.float64(0.1),
+            "empty": np.zeros((0, 3)), "matrix": np.arange(12, dtype=np.float64).reshape(3, 4) / 3}
+
+
+@pytest.mark.parametrize("key", sorted(_expected_values()))
+def test_host_values_arrive_bit_for_bit_on_every_rank(outcomes, key):
+    want = np.asarray(_expected_values()[key])
+    for _, outcome in _both(outcomes, "values"):
+        assert outcome.startswith("ok "), outcome
+        dtype, shape, hexed = json.loads(outcome[3:])[key]
+        assert (dtype, tuple(shape)) == (str(want.dtype), want.shape)
+        assert hexed == np.ascontiguousarray(want).tobytes().hex(), (key, hexed)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("loader_num_examples", ["num_examples: 16 on process(es) 0 but 20 on process(es) 1"]),
+    ("loader_batch_size", ["batch_size: 4 on process(es) 0 but 8 on process(es) 1"]),
+    ("loader_seed", ["seed: 1 on process(es) 0 but 2 on process(es) 1"]),
+    ("loader_shuffle", ["shuffle: True on process(es) 0 but False on process(es) 1"]),
+    ("loader_drop_last", ["drop_last: True on process(es) 0 but False on process(es) 1"]),
+    ("loader_layout", ["layout: global on process(es) 0 but pmap on process(es) 1"]),
+])
+def test_loaders_that_differ_between_ranks_raise_on_every_rank(outcomes, name, words):
+    for seconds, outcome in _both(outcomes, name):
+        assert outcome.startswith("ValueError: jdp.data.Loader: the processes disagree on "), \
+            outcome
+        assert all(w in outcome for w in words), outcome
+        assert "on every process" in outcome
+        assert seconds < 60, seconds
+
+
+def test_agreeing_loaders_give_each_rank_its_own_rows(outcomes):
+    # 16 examples, 2 ranks, batch 4, no shuffle: rank r reads 0+r, 2+r, 4+r, 6+r.
+    assert [o for _, o in _both(outcomes, "loader_agreeing")] == ["ok 12", "ok 16"]
+
+
+NO_INIT = """
+import sys
+import numpy as np
+import jdp
+what = sys.argv[1]
+if what == "broadcast":
+    jdp.broadcast_from_primary({"w": np.zeros(3)})
+elif what == "loader":
+    jdp.data.Loader({"x": np.zeros(8)}, batch_size=4)
+else:
+    jdp.checkpoint.Checkpointer(sys.argv[2])
+print("trained alone", flush=True)
+"""
+
+
+@pytest.mark.parametrize("what, who", [("broadcast", "jdp.broadcast_from_primary"),
+                                       ("loader", "jdp.data.Loader"),
+                                       ("checkpointer", "jdp.checkpoint.Checkpointer")])
+def test_a_launched_script_without_initialize_fails_on_its_first_jdp_call(tmp_path, tag, what,
+                                                                          who):
+    script = write_script(tmp_path, "alone.py", NO_INIT)
+    done = run_python(["-m", "jdp.launch", "--nproc_per_node", "2", script, what,
+                       str(tmp_path / "ckpt")], env=job_env(tag), timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "trained alone" not in out
+    assert (f"RuntimeError: {who}: this process runs under a launcher (WORLD_SIZE=2, RANK=" in
+            out), out
+    assert "but jdp.initialize() was not called" in out
