@@ -1,7 +1,17 @@
 """Checkpoint misuse: each mistake is a one-line error of the right type naming the value."""
+import errno
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
-from conftest import assert_one_line
+from conftest import REPO, assert_one_line, job_env, write_script
 
 import jdp
 from jdp.checkpoint import Checkpointer
@@ -167,3 +177,158 @@ def test_async_save_that_is_not_a_bool(tmp_path):
     with pytest.raises(TypeError) as info:
         Checkpointer(tmp_path, async_save="yes")
     assert_one_line(info.value, ["async_save='yes'"])
+
+
+# --- issue 26: leaves that are not arrays, slots that must not vanish, a full disk ----------
+
+NUMBERS = {"epoch": 3, "lr": 0.5, "flag": True, "big": 2**40 + 3, "tenth": np.float64(0.1),
+           "half": np.float32(1.5), "count": np.int64(-7), "z": 1 + 2j}
+
+
+def test_number_leaves_are_saved_and_come_back_with_their_type(ckpt):
+    w = jdp.broadcast({"w": np.arange(6, dtype=np.float32).reshape(2, 3)})["w"]
+    ckpt.save(6, {"w": w, **NUMBERS})
+    got = ckpt.restore({"w": w, **{k: type(v)(0) for k, v in NUMBERS.items()}})
+    for key, want in NUMBERS.items():
+        assert type(got[key]) is type(want) and got[key] == want, (key, got[key])
+    assert np.asarray(got["w"]).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("leaf, words", [
+    ("relu", ["leaf ['act'] is a str ('relu')", "arrays and numbers only"]),
+    (b"raw", ["leaf ['act'] is a bytes"]),
+    (print, ["leaf ['act'] is a builtin_function_or_method"]),
+    (2**80, ["leaf ['act'] is a int"]),
+])
+def test_a_leaf_that_is_neither_array_nor_number_is_refused_not_dropped(ckpt, leaf, words):
+    w = jdp.broadcast({"w": np.zeros((2, 3), np.float32)})["w"]
+    with pytest.raises(TypeError) as info:
+        ckpt.save(6, {"w": w, "act": leaf})
+    assert_one_line(info.value, ["Checkpointer.save:", *words])
+    with pytest.raises(TypeError):
+        ckpt.restore({"w": w, "act": leaf})
+    assert ckpt.all_steps() == [5]
+
+
+def _uncommitted(tmp_path, directory, name):
+    """A copy of step 2 without orbax's commit marker, as a killed save leaves it."""
+    shutil.copytree(directory / "2", directory / name)
+    os.remove(directory / name / "commit_success.txt")
+
+
+@pytest.mark.parametrize("stray", ["empty", "uncommitted"])
+def test_a_stray_step_directory_costs_no_intact_checkpoint(tmp_path, stray):
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(directory, max_to_keep=2)
+    for step in (1, 2):
+        ckpt.save(step, state())
+    if stray == "empty":
+        (directory / "50").mkdir()
+    else:
+        _uncommitted(tmp_path, directory, "50")
+    assert ckpt.all_steps() == [1, 2]
+    with pytest.warns(RuntimeWarning, match=r"removed step directories \['50'\]"):
+        ckpt.save(3, state())
+    assert ckpt.all_steps() == [2, 3]
+    assert sorted(set(os.listdir(directory)) - {".jdp-writer"}) == ["2", "3"]
+
+
+def test_after_a_damaged_newest_checkpoint_the_resume_loop_saves_over_it(tmp_path, capfd):
+    def filled(value):
+        return jdp.broadcast({"w": np.full((2, 3), value, np.float32)})
+
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(directory)
+    ckpt.save(1, filled(1.0))
+    ckpt.save(2, filled(2.0))
+    for data in glob.glob(str(directory / "2" / "state" / "**" / "d" / "*"), recursive=True):
+        with open(data, "r+b") as f:
+            f.truncate(1)
+    with pytest.warns(RuntimeWarning, match="checkpoint 2 .* is damaged"):
+        resumed = ckpt.restore(filled(0.0))        # falls back to step 1
+    assert np.asarray(resumed["w"]).tolist() == [[1.0] * 3] * 2
+    ckpt.save(2, filled(9.0))                      # the resume loop's next save
+    assert ckpt.all_steps() == [1, 2]
+    assert np.asarray(Checkpointer(directory).restore(filled(0.0))["w"]).tolist() == \
+        [[9.0] * 3] * 2
+    ckpt.close()
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_saving_a_donated_state_says_so(ckpt):
+    donated = state()
+    donated["w"].delete()        # what a step with donation does to the state it was given
+    with pytest.raises(RuntimeError) as info:
+        ckpt.save(6, donated)
+    assert_one_line(info.value, ["state leaf ['w'] was donated to an earlier step",
+                                 "use the state the step returned"])
+
+
+OTHER_JOB = """
+import sys
+import numpy as np
+import jdp
+ckpt = jdp.checkpoint.Checkpointer(sys.argv[1])
+ckpt.save(1, jdp.broadcast({"w": np.zeros(3, np.float32)}))
+print("saved", flush=True)
+sys.stdin.read()           # until the test closes it
+"""
+
+
+def test_two_jobs_saving_into_one_directory_are_detected(tmp_path, tag):
+    directory = tmp_path / "ckpt"
+    script = write_script(tmp_path, "other.py", OTHER_JOB)
+    other = subprocess.Popen([sys.executable, script, str(directory)], env=job_env(tag),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert other.stdout.readline().strip() == "saved"
+        ckpt = Checkpointer(directory)
+        with pytest.raises(RuntimeError) as info:
+            ckpt.save(2, state())
+        assert_one_line(info.value, [f"another job (pid {other.pid} on host "
+                                     f"{socket.gethostname()}", f"is saving into {directory}",
+                                     "give each job its own checkpoint directory"])
+    finally:
+        other.communicate("", timeout=30)
+    ckpt.save(2, state())        # that job has ended: its directory is taken over
+    assert ckpt.all_steps() == [1, 2]
+
+
+def test_a_job_whose_directory_was_taken_over_stops_saving(ckpt, tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        marker = {"host": "elsewhere", "pid": sleeper.pid, "start": None, "time": time.time()}
+        (tmp_path / "ckpt" / ".jdp-writer").write_text(json.dumps(marker))
+        with pytest.raises(RuntimeError) as info:
+            ckpt.save(6, state())
+        assert_one_line(info.value, [f"another job (pid {sleeper.pid} on host elsewhere",
+                                     "took over the checkpoint directory",
+                                     "after this job's last save"])
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoint(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        ckpt = Checkpointer(mount / "ckpt")
+        small = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "big": np.zeros(1)}
+        ckpt.save(1, jdp.broadcast(small))
+        big = jdp.broadcast({"w": np.ones((2, 3), np.float32),
+                             "big": np.random.default_rng(0).random(1 << 19)})  # 4 MiB
+        with pytest.raises(OSError) as info:
+            ckpt.save(2, big)
+        assert_one_line(info.value, [f"no space left on {mount / 'ckpt'} while saving step 2"])
+        assert info.value.errno == errno.ENOSPC
+        assert ckpt.all_steps() == [1]
+        got = ckpt.restore(jdp.broadcast({"w": np.zeros((2, 3), np.float32),
+                                          "big": np.ones(1)}))
+        assert np.asarray(got["w"]).tolist() == [[0, 1, 2], [3, 4, 5]]
+        ckpt.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

@@ -98,6 +98,8 @@ def restored(leaf: Leaf, value: Any) -> Any:
     if not isinstance(leaf.leaf, np.ndarray):
         return value
     value = np.asarray(value)[tuple(slice(0, n) for n in leaf.shape)]
+    if leaf.shape == leaf.physical:
+        return value
     return np.pad(value, [(0, p - n) for p, n in zip(leaf.physical, leaf.shape, strict=True)])
 
 
