@@ -11,7 +11,8 @@ module turns them into
   and the pause after it), and other (the rest: the user's own code between jdp calls, the
   launcher's own work, a rank that finished waiting for its peers);
 - **stragglers**: a rank whose median lag in reaching a step, behind the first rank there,
-  exceeds STRAGGLER_FRACTION of the median step time, with its lag and its slowest phase
+  exceeds STRAGGLER_FRACTION of the median step time (and MIN_LAG_S), with its lag and its
+  slowest phase
   (the phase where it spends the most time beyond the other ranks' median).
 
 `Ledger` keeps a job's rounds; `summary` is what goes to LOGDIR/summary.json and `line` the
@@ -30,6 +31,7 @@ from typing import NamedTuple
 from jdp.launch import _progress
 
 STRAGGLER_FRACTION = 0.2   # median lag / median step time that names a straggler
+MIN_LAG_S = 0.01           # and by at least this much: below, it is scheduling noise
 MIN_STEPS = 5              # steps seen on every rank before anyone is named
 WARN_EVERY_S = 60.0        # at most one straggler warning a minute while the job runs
 BUCKETS = ("startup", "steps", "data", "eval", "checkpoint", "failures", "other")
@@ -113,7 +115,7 @@ class Stragglers:
         found = []
         for rank in self.ranks:
             lag = statistics.median(self.lags[rank])
-            if step > 0 and lag > STRAGGLER_FRACTION * step:
+            if step > 0 and lag > max(STRAGGLER_FRACTION * step, MIN_LAG_S):
                 found.append({"rank": rank, "lag_s": round(lag, 4),
                               "lag_of_step": round(lag / step, 3),
                               "median_step_s": round(step, 4),
@@ -168,6 +170,11 @@ class Ledger:
         self._next_warning = 0.0
         self._end = self.start
         self._failed_last = False
+        self._writer = None
+        if logdir:   # opened now: its imports count in the wall time, its events show at once
+            from jdp.metrics import Writer   # no JAX backend: primary=True
+            self._writer = Writer(os.path.join(logdir, "goodput" if node == 0
+                                               else f"goodput.node{node}"), primary=True)
 
     def begin(self, slots: dict) -> None:
         """A round starts: rank -> slot file path. After a failed round, say where the time
@@ -272,26 +279,26 @@ class Ledger:
         s = self.summary()
         print(self.line(s), file=sys.stderr, flush=True)
         if self.logdir:
-            write(self.logdir, s, self.node)
+            write(self.logdir, s, self.node, self._writer)
         return s
 
 
-def write(logdir: str, summary: dict, node: int = 0) -> str:
-    """LOGDIR/summary.json (summary.nodeK.json on node K > 0), and the figures as metrics
-    under LOGDIR/goodput (JSON lines; TensorBoard when tensorboardX is installed)."""
+def write(logdir: str, summary: dict, node: int = 0, writer=None) -> str:
+    """LOGDIR/summary.json (summary.nodeK.json on node K > 0), and the figures through
+    `writer` (a `jdp.metrics.Writer`; JSON lines, TensorBoard when tensorboardX is installed),
+    which this closes."""
     os.makedirs(logdir, exist_ok=True)
     path = os.path.join(logdir, "summary.json" if node == 0 else f"summary.node{node}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(path + ".tmp", path)
-    from jdp.metrics import Writer   # JSON lines, TensorBoard, MLflow: no JAX backend needed
     figures = {f"goodput/{k}_s": v for k, v in summary["buckets_s"].items()}
     figures.update({"goodput/wall_s": summary["wall_s"], "goodput/fraction": summary["goodput"]})
     for s in summary["stragglers"]:
         figures[f"stragglers/rank{s['rank']}_lag_s"] = s["lag_s"]
-    with Writer(os.path.join(logdir, "goodput" if node == 0 else f"goodput.node{node}"),
-                primary=True) as w:
-        w.scalars(summary["rounds"], figures)
+    if writer is not None:
+        writer.scalars(summary["rounds"], figures)
+        writer.close()
     return path
 
 

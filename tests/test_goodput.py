@@ -1,0 +1,177 @@
+"""Where a job's time went (goodput buckets), who arrives late (stragglers), who finished early.
+
+The launcher reads every rank's progress slot and writes LOGDIR/summary.json; these tests
+check it against what they measure themselves: the wall time around the launcher, the time a
+rank sleeps before each step, the seconds each rank's `Checkpointer.save` calls took.
+"""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, job_env, wait_until_gone, write_script
+
+from jdp.launch import _goodput, _progress, _watchdog
+
+# A 2-rank job of real train steps over a Loader; rank 1 sleeps SLEEP s before every step;
+# with EVERY=k both ranks save a checkpoint every k steps and print the seconds saving took.
+JOB = """
+import os, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+import jdp
+
+jdp.initialize()
+steps, sleep, every = int(os.environ["STEPS"]), float(os.environ["SLEEP"]), int(os.environ["EVERY"])
+state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((64, 64))},
+                                            tx=optax.sgd(0.01)))
+step = jdp.train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2))
+rows = 8 * jax.device_count()
+loader = jdp.Loader({"x": np.ones((steps * rows, 64), np.float32)}, rows, layout="global")
+ckpt = jdp.Checkpointer(os.environ["CKPT"]) if every else None
+saving = 0.0
+for i, batch in enumerate(loader, 1):
+    if jax.process_index() == 1 and sleep:
+        time.sleep(sleep)
+    state, metrics = step(state, batch)
+    if every and i % every == 0:
+        start = time.perf_counter()
+        ckpt.save(i, state)
+        saving += time.perf_counter() - start
+jax.block_until_ready(state)
+print(f"SAVING {jax.process_index()} {saving!r}", file=sys.stderr, flush=True)
+"""
+
+
+def launch(tmp_path, tag, steps, sleep=0.0, every=0):
+    """Run JOB under `python -m jdp.launch` with --logdir; (summary, stderr, measured wall)."""
+    script = write_script(tmp_path, "job.py", JOB)
+    env = job_env(tag, STEPS=str(steps), SLEEP=str(sleep), EVERY=str(every),
+                  CKPT=str(tmp_path / "ckpt"))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "jdp.launch", "--nproc_per_node", "2",
+                           "--logdir", str(tmp_path / "logs"), script], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "logs" / "summary.json") as f:
+        return json.load(f), done.stderr, wall
+
+
+def test_a_rank_that_sleeps_before_every_step_is_the_only_straggler(tmp_path, tag):
+    summary, err, wall = launch(tmp_path, tag, steps=120, sleep=0.15)
+    total = sum(summary["buckets_s"].values())
+    print(f"measured {wall:.2f} s, summary wall {summary['wall_s']:.2f} s, buckets {total:.2f} s:"
+          f" {summary['buckets_s']}; stragglers {summary['stragglers']}")
+    assert abs(total - wall) < 0.05 * wall
+    assert [s["rank"] for s in summary["stragglers"]] == [1], summary["stragglers"]
+    straggler = summary["stragglers"][0]
+    # Rank 1 sets the pace: a step takes at least its sleep, and it arrives last by >= one.
+    assert straggler["median_step_s"] >= 0.15
+    assert straggler["lag_s"] >= 0.15 * 0.9
+    assert straggler["slowest_phase"] in ("data", "other"), straggler   # where the sleep is
+    assert "goodput" in err and "straggler rank 1" in err, err[-2000:]
+    for rank, detail in summary["ranks"].items():
+        assert sum(detail["buckets_s"].values()) == pytest.approx(summary["wall_s"], rel=0.01)
+
+
+def test_ranks_in_step_name_no_straggler(tmp_path, tag):
+    summary, err, wall = launch(tmp_path, tag, steps=60)
+    assert summary["stragglers"] == [], summary["stragglers"]
+    assert "straggler" not in err, err[-2000:]
+
+
+def test_the_checkpoint_bucket_is_the_time_spent_saving(tmp_path, tag):
+    summary, err, wall = launch(tmp_path, tag, steps=40, every=5)
+    measured = {line.split()[1]: float(line.split()[2]) for line in err.splitlines()
+                if line.startswith("[rank") and " SAVING " in line
+                for line in [line.split(": ", 1)[1]]}
+    assert set(measured) == {"0", "1"}, err[-2000:]
+    for rank, seconds in measured.items():
+        bucket = summary["ranks"][rank]["buckets_s"]["checkpoint"]
+        print(f"rank {rank}: saving took {seconds:.3f} s, checkpoint bucket {bucket:.3f} s")
+        assert bucket == pytest.approx(seconds, rel=0.10)
+
+
+# A job whose rank 0 runs 3 steps and rank 1 six: rank 1 waits in step 4 forever.
+UNEVEN = """
+import jax, jax.numpy as jnp, numpy as np, optax
+import jdp
+
+jdp.initialize()
+state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((4, 4))},
+                                            tx=optax.sgd(0.01)))
+step = jdp.train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2))
+batch = jdp.shard({"x": np.ones((2 * jax.local_device_count(), 4), np.float32)})
+for i in range(3 if jax.process_index() == 0 else 6):
+    state, _ = step(state, batch)
+jax.block_until_ready(state)
+"""
+
+
+def test_a_rank_that_finishes_while_a_peer_waits_in_a_step_is_named(tmp_path, tag):
+    """Without --progress_timeout: the job ends within seconds, not at JAX's 300 s timeout."""
+    script = write_script(tmp_path, "uneven.py", UNEVEN)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "jdp.launch", "--nproc_per_node", "2", script],
+                          env=job_env(tag), cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    elapsed = time.monotonic() - start
+    print(f"ended after {elapsed:.1f} s with {done.returncode}")
+    assert done.returncode == 124, done.stderr[-3000:]
+    assert "rank 0 finished at step 3; rank 1 waits in step 4" in done.stderr, done.stderr
+    assert "uneven.py" in done.stderr      # rank 1's stack shows the user's line
+    assert elapsed < 60
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
+
+
+# --- the pieces, on numbers made up here -----------------------------------------------
+
+def times(first, last, phase="step", at=10, arrivals=None, **seconds):
+    base = dict.fromkeys((*_progress.PHASES, "compile"), 0.0)
+    return _goodput.RankTimes(1, at, phase, first, last, {**base, **seconds}, arrivals or {})
+
+
+def test_a_ranks_buckets_add_up_to_the_round():
+    t = times(first=12.0, last=40.0, phase="data", at=5, compile=3.0, step=14.0, data=4.0,
+              checkpoint=6.0, other=1.0)
+    b = _goodput.rank_buckets(t, start=10.0, exited=41.0, end=43.0)
+    assert b == {"startup": 5.0, "steps": 14.0, "data": 5.0, "eval": 0.0, "checkpoint": 6.0,
+                 "failures": 0.0, "other": 3.0}
+    assert sum(b.values()) == pytest.approx(33.0)
+
+
+def test_stragglers_are_the_ranks_that_reach_steps_late_by_a_margin():
+    s = _goodput.Stragglers([0, 1, 2])
+    lags = {0: 0.0, 1: 0.01, 2: 0.05}           # step time 0.1 s: rank 2 is 50 % late
+    for k in range(1, 21):
+        s.feed({r: times(0, 0, at=k, arrivals={k: 0.1 * k + lag}) for r, lag in lags.items()})
+    seconds = {0: {"data": 1.0}, 1: {"data": 1.1}, 2: {"data": 2.0}}
+    named = s.named(seconds)
+    assert [n["rank"] for n in named] == [2]
+    assert named[0]["lag_s"] == pytest.approx(0.05)
+    assert named[0]["median_step_s"] == pytest.approx(0.1)
+    assert named[0]["slowest_phase"] == "data"
+
+
+def test_a_finished_rank_is_named_only_when_a_peer_waits_in_a_later_step():
+    P = _watchdog.RankProgress
+    assert _watchdog.finished_early([P(0, 3, "done"), P(1, 4, "step")]) == (
+        "rank 0 finished at step 3; rank 1 waits in step 4")
+    assert _watchdog.finished_early([P(0, 6, "done"), P(1, 6, "step")]) is None
+    assert _watchdog.finished_early([P(0, 6, "step"), P(1, 7, "step")]) is None
+
+
+def test_stack_dumps_read_as_tracebacks_without_the_launcher(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import time\n\ndef wait():\n    time.sleep(10)\n")
+    dump = (f'Current thread 0x1 (most recent call first):\n'
+            f'  File "{script}", line 4 in wait\n'
+            f'  File "{script}", line 5 in <module>\n'
+            f'  File "<frozen runpy>", line 88 in _run_code\n'
+            f'  File "{_watchdog._LAUNCHER_DIR}/_run.py", line 200 in main\n')
+    assert _watchdog.readable(dump).splitlines() == [
+        "Current thread 0x1 (most recent call last):",
+        f'  File "{script}", line 5, in <module>',
+        f'  File "{script}", line 4, in wait',
+        "    time.sleep(10)"]
