@@ -101,7 +101,7 @@ def test_kill_9_of_a_rank_restarts_and_resumes_from_the_last_checkpoint(
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, err
-    assert "restarting all processes (restart 1 of 1)" in err
+    assert "restart 1 of 1: starting all 2 processes again" in err
     epochs = [int(e) for e in re.findall(r'"epoch": (\d+)', rank0_out.read_text())]
     assert epochs.count(1) == 1 and epochs[-1] == 5, epochs  # resumed, not started over
     resumed = last_record(out)
