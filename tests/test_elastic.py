@@ -347,3 +347,32 @@ def test_bad_elastic_arguments_exit_2_with_one_line(argv, message, capsys):
         jdp.launch.main([*argv, "x.py"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_fixed_size_job_waits_for_the_lost_node_instead_of_going_on(capsys):
+    """--nnodes 3 (fixed), as before elastic jobs: the round after a loss starts only when a
+    launcher of the lost node is back, with the same numbering."""
+    from jdp.launch import _net
+    from jdp.launch._outcome import Outcome, State
+    port, places, results = free_port(), {}, {}
+
+    def until_stopped(r, place):
+        if r == 0:
+            assert place.stop.wait(10), "round 0 was never stopped"
+            return Outcome(State.STOPPED)
+        return Outcome(State.SUCCEEDED)
+
+    threads = [node_thread(results, k, port, recording(places, k, until_stopped), min_nodes=None)
+               for k in (0, 2)]
+    lost = _net.connect("127.0.0.1", port, 10)
+    _net.send(lost, {"node": 1, "host": "host-b", "nproc": 1})
+    assert _net.receive_one(lost, 10)["start"] == 0
+    lost.close()
+    time.sleep(1.5)                                     # past the backoff: still waiting
+    assert places[0] == [(0, (0, 3, 0, 3))] and places[2] == [(0, (2, 3, 2, 3))]
+    threads.append(node_thread(results, 1, port, recording(places, 1), min_nodes=None))
+    for t in threads:
+        t.join(timeout=20)
+    assert results == {0: 0, 1: 0, 2: 0}
+    assert places[2] == [(0, (2, 3, 2, 3)), (1, (2, 3, 2, 3))]
+    assert "restart 1 of 1: starting all 3 processes of 3 nodes again." in capsys.readouterr().err
