@@ -11,8 +11,9 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, free_port, job_env, run_python, write_script
+from conftest import REPO, assert_one_line, free_port, job_env, run_python, write_script
 
+import jdp
 import jdp.launch
 
 BAD_HOST = "no-such-host.invalid"
@@ -110,3 +111,66 @@ def test_a_killed_spawn_parent_leaves_no_payload_behind(tmp_path, tag):
     parent.wait(timeout=10)
     assert glob.glob(str(spool / "jdp-spawn-*" / "payload.pkl")) == []
     assert glob.glob(str(spool / "jdp-spawn-*"))   # the spool was used (the test saw it)
+
+
+# --- issue 26 ------------------------------------------------------------------------------
+
+def test_a_directory_with_main_runs_as_python_runs_it(tmp_path, tag):
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import helper\n")
+    (app / "helper.py").write_text("import jdp\njdp.initialize()\n"
+                                   "print('ran as rank', jdp.process_index(), flush=True)\n")
+    done = run_python(["-m", "jdp.launch", "--nproc_per_node", "2", str(app)], env=job_env(tag),
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ran as rank 0" in done.stdout and "ran as rank 1" in done.stdout
+
+
+@pytest.mark.parametrize("what, message", [
+    ("empty_dir", "is a directory without __main__.py; pass the script inside it"),
+    ("logdir_file", "is a file, not a directory; pass a directory path"),
+])
+def test_a_directory_without_main_or_a_logdir_that_is_a_file(tmp_path, capsys, what, message):
+    script = write_script(tmp_path, "ok.py", "print('never runs')\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "taken").write_text("")
+    argv = ([str(tmp_path / "empty")] if what == "empty_dir" else
+            ["--logdir", str(tmp_path / "taken"), script])
+    with pytest.raises(SystemExit) as exit_info:
+        jdp.launch.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1], err
+    assert "Traceback" not in err
+
+
+GUARDED_FN = """
+import jdp
+
+if __name__ == "__main__":
+    def main(rank):
+        print("never runs")
+
+    try:
+        jdp.spawn(main, nprocs=2)
+    except ValueError as e:
+        print(f"ValueError: {e}")
+"""
+
+
+def test_spawn_of_a_function_defined_under_the_main_guard_says_to_move_it(tmp_path, tag):
+    script = write_script(tmp_path, "guarded.py", GUARDED_FN)
+    done = run_python([script], env=job_env(tag), timeout=60)
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    assert line.startswith("ValueError: fn=main is defined under `if __name__ == '__main__':`")
+    assert "define it at module level" in line and "\n" not in line
+    assert "never runs" not in done.stdout
+
+
+@pytest.mark.parametrize("args", [5, "ab", {"a": 1}])
+def test_spawn_args_that_are_not_a_tuple(args):
+    with pytest.raises(TypeError) as info:
+        jdp.spawn(print, args=args, nprocs=2)
+    assert_one_line(info.value, [f"args={args!r} must be a tuple", f"args=({args!r},)"])

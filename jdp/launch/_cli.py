@@ -169,6 +169,9 @@ def _problem(args: argparse.Namespace) -> str | None:
         return problem
     if args.redirect_stdout_and_stderr and args.logdir is None:
         return "--redirect_stdout_and_stderr needs --logdir DIR (where the output goes)"
+    if args.logdir is not None and os.path.exists(args.logdir) and not os.path.isdir(args.logdir):
+        return (f"--logdir {args.logdir!r} is a file, not a directory; pass a directory path "
+                "(it is created if missing)")
     if args.nnodes > 1 and args.master_port is None:
         return (f"--master_port is required with --nnodes {args.nnodes}: every node must use "
                 "the same port (e.g. --master_port 29500)")
@@ -226,10 +229,14 @@ def _script_problem(args: argparse.Namespace) -> str | None:
     """A missing script or program (modules are checked by Python in each process)."""
     if args.no_python and not args.module and shutil.which(args.script) is None:
         return f"program {args.script!r} is not an executable file or on PATH"
-    if not (args.module or args.no_python or os.path.isfile(args.script)):
-        return (f"script {args.script!r} does not exist (relative to {os.getcwd()}); check the "
-                "path, or pass -m for a module")
-    return None
+    if args.module or args.no_python or os.path.isfile(args.script):
+        return None
+    if os.path.isdir(args.script):   # run as `python DIR` runs it: DIR/__main__.py
+        return None if os.path.isfile(os.path.join(args.script, "__main__.py")) else (
+            f"script {args.script!r} is a directory without __main__.py; pass the script inside "
+            "it, or add DIR/__main__.py")
+    return (f"script {args.script!r} does not exist (relative to {os.getcwd()}); check the "
+            "path, or pass -m for a module")
 
 
 def _port_problem(args: argparse.Namespace) -> str | None:

@@ -6,6 +6,7 @@ supervise loop as `jdp.launch`.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import multiprocessing.spawn
 import os
@@ -134,10 +135,30 @@ def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
         raise ValueError(f"fn={fn.__qualname__} is defined in an interactive session, which new "
                          "processes cannot import; define it in a module (a .py file) and "
                          "import it from there")
+    if getattr(fn, "__module__", None) == "__main__" and _under_main_guard(fn, main.__file__):
+        raise ValueError(f"fn={fn.__qualname__} is defined under `if __name__ == '__main__':`, "
+                         "which the new processes do not run, so they cannot find it; define it "
+                         "at module level, above the guard")
+
+
+def _under_main_guard(fn: Callable, path: str) -> bool:
+    """Whether `fn`'s `def` sits inside an `if __name__ == "__main__":` block of `path`."""
+    line = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               and "__name__" in ast.unparse(node.test) and node.lineno < (line or 0)
+               <= (node.end_lineno or 0) for node in tree.body)
 
 
 def _pickled(fn: Callable, args: Sequence[Any]) -> bytes:
     """(fn, args) pickled, or a TypeError that says what a spawned process can load."""
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args={args!r} must be a tuple of fn's further arguments, e.g. "
+                        f"args=({args!r},)")
     try:
         return pickle.dumps((fn, tuple(args)))
     except Exception as e:
