@@ -65,3 +65,13 @@ def test_scancel_signal_term_stops_every_task_at_one_step(tmp_path, tag):
     saved = [line.split("step ")[1] for line in out.read_text().splitlines() if "SAVED" in line]
     assert len(saved) == 2 and saved[0] == saved[1], out.read_text()
     assert wait_until_gone(tag, timeout=5.0) < 5.0
+
+
+def test_a_rank_stuck_in_python_under_srun_is_named_with_its_line(tmp_path, tag):
+    from test_fault_mpirun import PROGRESS_TIMEOUT, STUCK, check_stuck_rank_report
+    script = write_script(tmp_path, "stuck.py", STUCK)
+    env = child_env(JDP_TEST_TAG=tag, JDP_PROGRESS_TIMEOUT=str(PROGRESS_TIMEOUT))
+    done = subprocess.run([SRUN, "-n", "2", "--overcommit", sys.executable, script], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    check_stuck_rank_report(done, script, time.time())
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
