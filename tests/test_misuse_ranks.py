@@ -10,7 +10,9 @@ import re
 
 import numpy as np
 import pytest
-from conftest import job_env, run_python, wait_until_gone, write_script
+from conftest import assert_one_line, job_env, run_python, wait_until_gone, write_script
+
+import jdp
 
 RANKS = """
 import json, sys, time
@@ -207,3 +209,57 @@ def test_a_launched_script_without_initialize_fails_on_its_first_jdp_call(tmp_pa
     assert (f"RuntimeError: {who}: this process runs under a launcher (WORLD_SIZE=2, RANK=" in
             out), out
     assert "but jdp.initialize() was not called" in out
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """This process looks like one rank of a launched job that never called jdp.initialize()."""
+    from jdp.distributed import _group
+    from jdp.launch._env import RANK_VARS
+    for name in (*RANK_VARS, "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID",
+                 "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
+                 "JDP_CLUSTER_DETECTION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_group, "_job_checked", False)
+    return monkeypatch
+
+
+JOBS = {
+    "launcher": ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": "29500"}, "WORLD_SIZE=2, RANK=1"),
+    "incomplete": ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4"),
+    "slurm": ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "0",
+               "SLURM_NTASKS": "2"}, "SLURM_NTASKS=2"),
+    "mpirun": ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"},
+               "OMPI_COMM_WORLD_SIZE=2"),
+    "asked": ({"JDP_CLUSTER_DETECTION": "slurm"}, "JDP_CLUSTER_DETECTION=slurm"),
+}
+ENTRY_POINTS = {
+    "jdp.broadcast_from_primary": lambda tmp: jdp.broadcast_from_primary({"w": np.zeros(2)}),
+    "jdp.data.Loader": lambda tmp: jdp.data.Loader({"x": np.zeros(8)}, batch_size=8),
+    "jdp.data.DistributedSampler": lambda tmp: jdp.data.DistributedSampler(8),
+    "jdp.checkpoint.Checkpointer": lambda tmp: jdp.checkpoint.Checkpointer(tmp / "c"),
+}
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+@pytest.mark.parametrize("who", sorted(ENTRY_POINTS))
+def test_a_job_that_was_never_joined_is_refused_by_every_entry_point(launched, tmp_path, job,
+                                                                     who):
+    variables, named = JOBS[job]
+    for name, value in variables.items():
+        launched.setenv(name, value)
+    with pytest.raises(RuntimeError) as info:
+        ENTRY_POINTS[who](tmp_path)
+    assert_one_line(info.value, [f"{who}: this process runs under a launcher ({named}",
+                                 "jdp.initialize() was not called",
+                                 "call jdp.initialize() first in main"])
+
+
+def test_one_process_passes_and_the_check_is_not_repeated(launched, tmp_path):
+    from jdp.distributed import _group
+    launched.setenv("WORLD_SIZE", "1")
+    jdp.data.Loader({"x": np.zeros(8)}, batch_size=8)
+    launched.setattr(_group, "_launcher_variables", None)   # would fail if called again
+    for who in ENTRY_POINTS.values():
+        who(tmp_path)

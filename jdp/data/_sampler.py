@@ -57,7 +57,7 @@ class DistributedSampler:
                  drop_last: bool = False):
         owner = "DistributedSampler"
         if num_replicas is None or rank is None:
-            _group.require_job(owner)
+            _group.require_job("jdp.data.DistributedSampler")
         self.num_examples = _require_int(owner, "num_examples", num_examples, 1,
                                          "pass len(source) of a non-empty source")
         num_replicas = jax.process_count() if num_replicas is None else num_replicas
