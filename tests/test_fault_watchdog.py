@@ -2,8 +2,9 @@
 
 A 2-rank job runs collectives and records its progress as jdp's own steps do; rank 1 then
 sleeps forever before step 6. With --progress_timeout 10 the launcher must stop the job
-within 25 s of the stall, name rank 1 with its step and phase, show the line of its sleep,
-and leave no process behind.
+within 25 s of the stall, name rank 1 with its step and phase, show the line of its sleep
+as a traceback does (the frame, then its source line; no launcher frames), and leave no
+process behind.
 """
 import time
 
@@ -47,7 +48,9 @@ def test_a_stuck_rank_is_named_shown_and_stopped(tmp_path, tag):
     report = err[err.index("jdp.launch: no rank made progress"):]
     assert "rank 1 stuck at step 5 in phase data" in report, report
     assert "rank 0 waiting at step 6" in report, report
-    assert f'File "{script}", line {SLEEP_LINE}' in report, report
+    assert f'File "{script}", line {SLEEP_LINE}, in <module>' in report, report
+    assert "time.sleep(10**6)" in report, report                     # its source line
+    assert "runpy" not in report and "_run.py" not in report, report
     assert wait_until_gone(tag, timeout=2.0) < 2.0
 
 

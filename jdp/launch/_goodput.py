@@ -159,9 +159,11 @@ def rank_buckets(t: RankTimes | None, start: float, exited: float, end: float) -
 class Ledger:
     """A job's rounds, as one node's supervisor saw them; prints and writes the summary."""
 
-    def __init__(self, who: str, logdir: str | None = None, node: int = 0):
+    def __init__(self, who: str, logdir: str | None = None, node: int = 0,
+                 from_process_start: bool = True):
         self.who, self.logdir, self.node = who, logdir, node
-        self.start = _process_start()
+        # The launcher's wall time includes its own start-up; jdp.spawn's starts at the call.
+        self.start = _process_start() if from_process_start else time.monotonic()
         self.per_rank: dict = {}          # rank -> bucket -> seconds (closed rounds)
         self.detail: dict = {}            # rank -> phase seconds (the last round)
         self.stragglers: list = []

@@ -102,7 +102,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         port = _net.free_port()
         specs = [_supervisor.RankSpec(r, cmd, _rank_env(r, nprocs, port, tmp, devices_per_process))
                  for r in range(nprocs)]
-        ledger = _goodput.Ledger(WHO, logdir)
+        ledger = _goodput.Ledger(WHO, logdir, from_process_start=False)
         outcome = _supervisor.run(specs, _supervisor.Output(), limits, ledger=ledger)
         ledger.finish()
         _raise_for(outcome, tmp, nprocs, limits)
