@@ -57,6 +57,10 @@ def replicate(tree: Any) -> Any:
         >>> jdp.pmap.replicate({"w": np.ones(3)})["w"].shape == (jax.local_device_count(), 3)
         True
     """
+    if is_stacked(tree):
+        raise ValueError("jdp.pmap.replicate: the tree is already in the pmap form (every leaf one "
+                         "copy per local device): pass it to the step as it is, or "
+                         "jdp.pmap.unreplicate(tree) first")
     sharding = local_sharding()
     n = len(sharding.device_set)
     return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))),
@@ -125,14 +129,15 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     own model state.
     """
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
+    _checks.bool_options(has_aux=has_aux, donate=donate)
     body = functools.partial(
         _step.device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
     transform = functools.partial(jax.pmap, axis_name=AXIS,
                                   donate_argnums=(0,) if donate else ())
-    return _dispatch.make_step(body, functools.partial(_check, accum_steps=accum_steps),
-                               transform, _place_stop, max_in_flight=max_in_flight, train=True,
-                               donate=donate)
+    check = functools.partial(_check, accum_steps=accum_steps, train=True)
+    return _dispatch.make_step(body, check, transform, _place_stop, max_in_flight=max_in_flight,
+                               train=True, donate=donate)
 
 
 def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
@@ -148,8 +153,10 @@ def _place_stop(flag: bool) -> jax.Array:
     return place_rows(_dispatch.stop_values(flag, jax.local_device_count()))
 
 
-def _check(state: Any, batch: Any, *, accum_steps: int) -> None:
+def _check(state: Any, batch: Any, *, accum_steps: int, train: bool = False) -> None:
     """A stacked state (one copy per local device) and batches `[n, per_device, ...]`."""
+    if train:
+        _checks.trainable(getattr(state, "params", None))
     n = jax.local_device_count()
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not isinstance(x, jax.Array) or not x.ndim or x.shape[0] != n or (

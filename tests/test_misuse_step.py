@@ -183,3 +183,70 @@ def test_a_loss_that_raises_shows_its_own_error_before_anything_runs(form):
     with pytest.raises(KeyError, match="no field 'image'"):
         train_step(broken)(state, batch_for(form))
     train_step(mse)(state, batch_for(form))  # the state was not donated to the failure
+
+
+# --- issue 26: placing twice, parameters that cannot be trained, flags, masks -------------------
+
+def plain_state(params=None, tx=None):
+    return jdp.TrainState.create(apply_fn=None, params=mlp_params() if params is None else params,
+                                 tx=tx or optax.sgd(0.1))
+
+
+def test_broadcast_of_a_state_already_in_the_pmap_form_is_refused():
+    one_line_error(ValueError, ["in the pmap form", "jdp.pmap.unreplicate"],
+                   jdp.broadcast, jdp.replicate(plain_state()))
+
+
+def test_replicate_of_a_replicated_state_is_refused_not_given_a_second_device_axis():
+    one_line_error(ValueError, ["already in the pmap form", "jdp.pmap.unreplicate"],
+                   jdp.replicate, jdp.replicate(plain_state()))
+
+
+def test_broadcast_of_a_broadcast_state_is_the_same_state():
+    once = jdp.broadcast(plain_state())
+    twice = jdp.broadcast(once)
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice), strict=True):
+        assert a.shape == b.shape and b.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_integer_parameter_leaf_is_named(form):
+    params = {**mlp_params(), "count": np.arange(3, dtype=np.int32)}
+    state = FORMS[form].place(plain_state(params))
+    one_line_error(ValueError, ["parameter leaf ['count'] has dtype int32", "keep integer values "
+                                "out of params"], FORMS[form].train_step(mse), state,
+                   batch_for(form))
+
+
+def test_empty_params_say_the_params_are_empty():
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params={}, tx=optax.sgd(0.1)))
+    one_line_error(ValueError, ["params are empty", "TrainState.create(params=...)"],
+                   jdp.train_step(lambda p, b: jnp.mean(b["x"])), state, batch_for("global"))
+
+
+@pytest.mark.parametrize("option", ["has_aux", "donate", "shard_optimizer", "shard_params"])
+def test_flags_that_are_not_bools_are_refused(option):
+    one_line_error(ValueError, [f"{option}=1", "expected True or False"], jdp.train_step, mse,
+                   **{option: 1})
+
+
+@pytest.mark.parametrize("option", ["has_aux", "donate"])
+def test_the_pmap_forms_flags_that_are_not_bools_are_refused(option):
+    one_line_error(ValueError, [f"{option}='yes'", "expected True or False"],
+                   jdp.pmap.train_step, mse, **{option: "yes"})
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_eval_mask_that_is_not_boolean_is_refused(form):
+    rows = {**data(N * 2), "mask": np.linspace(0, 1, N * 2).astype(np.float32)}
+    state = placed(form)
+    evaluate = FORMS[form].eval_step(lambda s, b: {"x": b["x"][:, 0]})
+    one_line_error(TypeError, ["batch['mask'] has dtype float32", "mask.astype(bool)"], evaluate,
+                   state, FORMS[form].shard(rows))
+
+
+@pytest.mark.parametrize("value", [jnp.int8, jnp.int32, "bool"])
+def test_comm_dtype_that_is_not_floating_is_refused(value):
+    one_line_error(ValueError, ["comm_dtype=", "expected a floating dtype"], jdp.train_step, mse,
+                   comm_dtype=value)

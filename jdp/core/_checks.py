@@ -35,6 +35,27 @@ def train_options(grad_reduce: str, accum_steps: int, model_state_sync: Any,
                          "jnp.bfloat16 (gradients would be truncated), or None")
 
 
+def bool_options(**options: Any) -> None:
+    """Flags must be bools (a truthy number or string is a mistake, not a choice)."""
+    for option, value in options.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{option}={value!r}: expected True or False")
+
+
+def trainable(params: Any) -> None:
+    """The parameters the gradient is taken of: at least one leaf, every leaf floating."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_zero.is_sharded)[0]
+    if not leaves:
+        raise ValueError("the train state's params are empty ({} or None): the loss has nothing "
+                         "to train; pass the model's parameters to TrainState.create(params=...)")
+    for path, x in leaves:
+        dtype = (x.value if _zero.is_sharded(x) else x).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"parameter leaf {name(path)} has dtype {dtype}: jdp takes the "
+                             "gradient of every parameter, so they must be floating; keep "
+                             "integer values out of params (e.g. in model_state, or as constants)")
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -85,6 +106,7 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
                              "the pmap form, goes with jdp.pmap.train_step)")
     if shard_optimizer is None:
         return
+    trainable(getattr(state, "params", None))
     fsdp = any(_zero.is_sharded(x) for _, x in leaves)
     if shard_params != fsdp:
         raise ValueError("shard_params=True: the parameters are not sharded; place the state "
@@ -215,6 +237,13 @@ def scalar_loss(loss: Any) -> None:
     if jnp.shape(loss) != ():
         raise ValueError(f"loss_fn returned a loss of shape {jnp.shape(loss)}: expected a scalar; "
                          f"reduce it over the examples, e.g. jnp.mean(per_example_loss)")
+
+
+def boolean_mask(mask: Any) -> None:
+    """An evaluation's mask says which rows count: True or False, nothing in between."""
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"batch['mask'] has dtype {mask.dtype}: expected bool (True for the rows "
+                        "that count); pass mask.astype(bool), or weights as a metric of your own")
 
 
 def per_example(values: Any, b: int) -> None:

@@ -74,6 +74,11 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
         >>> state["w"].sharding.is_fully_replicated, state["w"].shape
         (True, (3,))
     """
+    from jdp import pmap  # the one question about the other form; jdp.pmap imports this module
+    if pmap.is_stacked(tree):
+        raise ValueError("jdp.broadcast: the state is in the pmap form (jdp.replicate): pass "
+                         "jdp.pmap.unreplicate(state), or keep the pmap form and use "
+                         "jdp.pmap.train_step")
     host = broadcast_from_primary(tree)
     placed = jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), host)
     if not (shard_optimizer or shard_params):

@@ -175,6 +175,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     """
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
     _checks.dtype_option("compute_dtype", compute_dtype)
+    _checks.bool_options(has_aux=has_aux, donate=donate, shard_optimizer=shard_optimizer,
+                         shard_params=shard_params)
     body = functools.partial(
         _global_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype,
@@ -197,6 +199,7 @@ def device_eval_step(state, batch, stop, *, metric_fn):
     mask = batch["mask"] if isinstance(batch, dict) and "mask" in batch else jnp.ones(
         first.shape[0], bool)
     _checks.per_example(values, mask.shape[0])
+    _checks.boolean_mask(mask)
     sums = {k: jnp.sum(jnp.where(mask, v, 0), dtype=jnp.float32) for k, v in values.items()}
     sums["count"] = jnp.sum(mask, dtype=jnp.float32)
     totals = lax.psum(sums, AXIS)
