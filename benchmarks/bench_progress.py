@@ -102,7 +102,8 @@ def table(rounds: int = 10, steps: int = 200) -> str:
             f"over a `jdp.Loader` on {r['devices']} devices, {r['steps']} steps per round, "
             f"{rounds} rounds alternated with and without a progress slot; {os.cpu_count()} "
             "CPU cores. A difference of medians within the rounds' min-max is the loop's "
-            "noise, not the records' cost (the per-call row)\n\n" + report.table(["", "time", "share / rounds min-max"], rows))
+            "noise, not the records' cost (the per-call row)\n\n"
+            + report.table(["", "time", "share / rounds min-max"], rows))
 
 
 def _spread_ms(values: list) -> str:

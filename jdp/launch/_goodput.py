@@ -174,7 +174,7 @@ class Ledger:
         self._failed_last = False
         self._writer = None
         if logdir:   # opened now: its imports count in the wall time, its events show at once
-            from jdp.metrics import Writer   # no JAX backend: primary=True
+            from jdp.metrics import Writer  # no JAX backend: primary=True
             self._writer = Writer(os.path.join(logdir, "goodput" if node == 0
                                                else f"goodput.node{node}"), primary=True)
 
@@ -248,7 +248,8 @@ class Ledger:
         for rank, b in sorted(self.per_rank.items()):
             b = dict(b)
             b["other"] += wall - sum(b.values())        # before the first round, after the last
-            ranks[rank] = {"buckets_s": _rounded(b), "phases_s": _rounded(self.detail.get(rank, {}))}
+            ranks[rank] = {"buckets_s": _rounded(b),
+                           "phases_s": _rounded(self.detail.get(rank, {}))}
         n = max(1, len(ranks))
         total = {k: sum(r["buckets_s"][k] for r in ranks.values()) / n for k in BUCKETS}
         return {"wall_s": round(wall, 3), "buckets_s": _rounded(total),
