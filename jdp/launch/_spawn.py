@@ -54,8 +54,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
     (127.0.0.1) and a free MASTER_PORT, runs `jdp.initialize()`, then calls `fn`. Its output
     is copied to ours, each line prefixed with `[rankK]: `. Once ranks recorded progress (jdp's
     steps, Loader, Checkpointer), a `goodput` line at the end says where the time went. `fn`
-    must be importable by a new process: a module-level function (from the main script too, when the `jdp.spawn` call is
-    under `if __name__ == "__main__":`), with picklable `args`. Return values are dropped.
+    must be importable by a new process: a module-level function (from the main script too,
+    when the `jdp.spawn` call is under `if __name__ == "__main__":`), with picklable `args`.
+    Return values are dropped.
 
     Args:
         fn: called as `fn(rank, *args)` in every process.

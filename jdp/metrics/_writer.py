@@ -94,7 +94,7 @@ class Writer:
 
 
 def _is_primary() -> bool:
-    import jax   # only here: the launcher passes primary=True and never starts a backend
+    import jax  # only here: the launcher passes primary=True and never starts a backend
     return jax.process_index() == 0
 
 
