@@ -18,6 +18,7 @@ import errno
 import json
 import operator
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -323,6 +324,7 @@ class Checkpointer:
 
     def _checked_read(self, step: int, read: Any, what: str) -> Any:
         """`read()`, with any failure turned into Damaged naming the file."""
+        _quiet_closed_loop_callbacks()
         try:
             return read()
         except Exception as e:  # tensorstore, orbax, json and OS errors alike
@@ -403,3 +405,25 @@ def _out_of_space(error: BaseException | None) -> bool:
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
+
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """Drop the stray "Event loop is closed" tracebacks of a failed read, and only those.
+
+    orbax reads in an event loop of its own and closes it when one read fails (a damaged
+    checkpoint), while tensorstore still completes the reads it had started: their callbacks
+    then fail in tensorstore's threads, printed after the clear error as tracebacks that say
+    nothing about the checkpoint. Every other unraisable error goes to the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_jdp_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._jdp_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
