@@ -35,4 +35,5 @@ def test_a_reader_in_a_loop_never_fails_a_save_nor_restores_a_partial_checkpoint
     assert reader["warnings"] == [] and reader["restores"] >= 10
     # The directory holds the last max_to_keep=3 complete steps and nothing else.
     last = trainer["last_step"]
-    assert sorted(set(os.listdir(directory)) - {".jdp-writer"}) == sorted(str(s) for s in range(last - 2, last + 1))
+    assert sorted(set(os.listdir(directory)) - {".jdp-writer"}) == sorted(
+        str(s) for s in range(last - 2, last + 1))
