@@ -232,8 +232,11 @@ def test_losing_node_0_ends_the_job_on_every_node_with_what_to_do(tmp_path, tag)
 
 # --- the round protocol without processes: launchers as threads, their ranks as callables ---
 
-def node_thread(results, node, port, run_round, min_nodes=2, max_nodes=3, rdzv_timeout=0.3):
-    """Node `node`'s launcher (_rounds.run) in a thread; its exit status lands in results."""
+def node_thread(results, node, port, run_round, min_nodes=2, max_nodes=3, rdzv_timeout=3.0):
+    """Node `node`'s launcher (_rounds.run) in a thread; its exit status lands in results.
+
+    The rendezvous timeout is long enough for three threads to connect on a loaded machine
+    (a round with all three starts at once; one with two waits for it)."""
     import threading
 
     from jdp.launch import _rounds

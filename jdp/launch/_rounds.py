@@ -182,7 +182,8 @@ class Keeper:
                     break
                 if first is not None and restarts == self.max_restarts:
                     break
-                restarts += first is not None
+                if first is not None:
+                    restarts += 1
                 previous, r = members, r + 1
                 time.sleep(BACKOFF_S if self.max_nodes > 1 else 0.0)   # every node's ranks gone
             self._send({m.conn for m in self.nodes.values()},
@@ -200,7 +201,7 @@ class Keeper:
         deadline = opened + max(JOIN_TIMEOUT_S, self.rdzv_timeout_s)
         while True:
             n, now = len(self.nodes), time.monotonic()
-            if n >= self.max_nodes or n >= self.min_nodes and now >= settle:
+            if 0 in self.nodes and (n >= self.max_nodes or n >= self.min_nodes and now >= settle):
                 return dict(sorted(self.nodes.items()))
             if now >= deadline:
                 raise TimeoutError(self._missing(deadline - opened))
@@ -306,6 +307,9 @@ class Link:
         threading.Thread(target=_net.receive, args=(self.conn, lines), daemon=True).start()
         while True:
             _, message = lines.get()
+            if message is not None and "start" in message:   # here, not in `next`: a "stop"
+                self.stop.clear()                            # may follow on the heels of
+                self.drain.clear()                           # its round's "start"
             if message is None or "stop" in message:
                 self.stop.set()
             elif "drain" in message:
@@ -320,6 +324,4 @@ class Link:
         message = self.messages.get()
         if message is None:
             return {"exit": 1, "report": _LOST_NODE_0}
-        self.stop.clear()
-        self.drain.clear()
         return message
