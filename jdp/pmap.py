@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.core import _checks, _dispatch, _mesh, _state, _step
 from jdp.core._mesh import AXIS
-from jdp.distributed import broadcast_from_primary
+from jdp.distributed import _group
 
 LOCAL_AXIS = "local_devices"
 """Axis name of the stacked placement: on one process a stacked `[8, b]` array and a global
@@ -64,7 +64,7 @@ def replicate(tree: Any) -> Any:
     sharding = local_sharding()
     n = len(sharding.device_set)
     return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))),
-                                                 sharding), broadcast_from_primary(tree))
+                                                 sharding), _group.broadcast(tree, "jdp.pmap.replicate"))
 
 
 def unreplicate(tree: Any) -> Any:

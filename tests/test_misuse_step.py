@@ -250,3 +250,18 @@ def test_an_eval_mask_that_is_not_boolean_is_refused(form):
 def test_comm_dtype_that_is_not_floating_is_refused(value):
     one_line_error(ValueError, ["comm_dtype=", "expected a floating dtype"], jdp.train_step, mse,
                    comm_dtype=value)
+
+
+@pytest.mark.parametrize("who", ["jdp.broadcast", "jdp.shard", "jdp.train_step"])
+def test_the_core_refuses_a_launched_job_that_was_never_joined(monkeypatch, who):
+    from jdp.distributed import _group
+    state, batch, step = placed("global"), batch_for("global"), jdp.train_step(mse)
+    calls = {"jdp.broadcast": lambda: jdp.broadcast(plain_state()),
+             "jdp.shard": lambda: jdp.shard(data(N)), "jdp.train_step": lambda: step(state, batch)}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(_group, "_job_checked", False)
+    with pytest.raises(RuntimeError) as info:
+        calls[who]()
+    assert f"{who}: this process runs under a launcher (WORLD_SIZE=2" in str(info.value)
+    assert "call jdp.initialize() first in main" in str(info.value)

@@ -14,7 +14,7 @@ import numpy as np
 from flax.training import train_state
 
 from jdp.core import _mesh, _zero
-from jdp.distributed import broadcast_from_primary
+from jdp.distributed import _group
 
 
 class TrainState(train_state.TrainState):
@@ -79,7 +79,7 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
         raise ValueError("jdp.broadcast: the state is in the pmap form (jdp.replicate): pass "
                          "jdp.pmap.unreplicate(state), or keep the pmap form and use "
                          "jdp.pmap.train_step")
-    host = broadcast_from_primary(tree)
+    host = _group.broadcast(tree, "jdp.broadcast")
     placed = jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), host)
     if not (shard_optimizer or shard_params):
         return placed
@@ -115,6 +115,7 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
         return pmap.shard(rows)
     if layout != "global":
         raise ValueError(f"jdp.shard: layout={layout!r}; expected 'global' (default) or 'pmap'")
+    _group.require_job("jdp.shard")
     return _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
 
 
