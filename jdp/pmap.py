@@ -63,8 +63,9 @@ def replicate(tree: Any) -> Any:
                          "jdp.pmap.unreplicate(tree) first")
     sharding = local_sharding()
     n = len(sharding.device_set)
-    return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))),
-                                                 sharding), _group.broadcast(tree, "jdp.pmap.replicate"))
+    host = _group.broadcast(tree, "jdp.pmap.replicate")
+    return jax.tree.map(
+        lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))), sharding), host)
 
 
 def unreplicate(tree: Any) -> Any:
