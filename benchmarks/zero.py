@@ -1,13 +1,18 @@
-"""Optimizer-state sharding (ZeRO-1) against replication: memory, collective traffic, time.
+"""Sharded training state against replication: memory at rest and at peak, traffic, time.
 
-An MLP of three square tanh layers with Adam; each device count in a fresh process
-(`python -m benchmarks.zero PARAMS` prints one JSON line). Per device: optimizer-state bytes
-from the shardings, arguments and scratch from `memory_analysis()`, collectives from the HLO,
-and ms per step, replicated and `shard_optimizer=True` alternated.
+An MLP of three square tanh layers with Adam, trained five ways on one mesh: replicated, ZeRO
+(`shard_optimizer=True`), FSDP (`shard_params=True`), FSDP computing in bfloat16
+(`compute_dtype=jnp.bfloat16`: the parameters gathered in bf16) and the same with the gradients
+reduced in bf16 too (`comm_dtype=jnp.bfloat16`). Each device count runs in a fresh process
+(`python -m benchmarks.zero PARAMS` prints one JSON line). Per device: parameters + optimizer
+state at rest (from the arrays' shards), the compiled step's peak (XLA's buffer assignment,
+`memory_analysis()`: arguments + outputs - aliased (donated) + temporaries), the collectives'
+result bytes from the HLO, and ms per step, the five modes alternated.
 """
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -21,6 +26,18 @@ import optax
 import jdp
 from benchmarks import hlo, jobs, report
 
+# mode -> options of both jdp.broadcast (the two shard_* flags) and jdp.train_step (all).
+MODES = {
+    "replicated": {},
+    "ZeRO": {"shard_optimizer": True},
+    "FSDP": {"shard_params": True},
+    "FSDP bf16": {"shard_params": True, "compute_dtype": jnp.bfloat16},
+    "FSDP bf16 + bf16 grads": {"shard_params": True, "compute_dtype": jnp.bfloat16,
+                               "comm_dtype": jnp.bfloat16},
+}
+BUDGET = 2 * 2**30  # the per-device memory of "the largest MLP that fits"
+MiB = 2**20
+
 
 def _loss(params, batch):
     """Mean squared error of the MLP against random targets: any differentiable loss does."""
@@ -30,23 +47,43 @@ def _loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
-def _build(params: int, shard: bool, per_device: int = 8) -> dict:
+def _per_device(tree) -> int:
+    """Bytes one device holds of a tree of global arrays (its first shard of every leaf)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def _build(params: int, options: dict, per_device: int = 8) -> dict:
     """Place the state, compile the step, read memory and collectives from the compiled step."""
     d = max(8, int((params / 3) ** 0.5) // 8 * 8)
     rng, size = np.random.default_rng(0), per_device * jax.local_device_count()
     weights = {f"w{i}": rng.standard_normal((d, d), np.float32) / d ** 0.5 for i in range(3)}
     data = {k: rng.standard_normal((size, d), np.float32) for k in ("x", "y")}
     batch = next(iter(jdp.data.Loader(data, size)))
+    placing = {k: v for k, v in options.items() if k.startswith("shard_")}
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=weights,
-                                                tx=optax.adam(1e-4)), shard_optimizer=shard)
-    step = jdp.train_step(_loss, shard_optimizer=shard)
-    compiled = step.lower(state, batch).compile()
-    memory, found = compiled.memory_analysis(), hlo.collectives(compiled.as_text())
+                                                tx=optax.adam(1e-4)), **placing)
+    step = jdp.train_step(_loss, **options)
+    lowered = step.lower(state, batch)
+    compiled = lowered.compile()
+    m, found = compiled.memory_analysis(), hlo.collectives(compiled.as_text())
+    asked = _lowered_collectives(lowered)
     return {"step": step, "state": state, "batch": batch, "figures": {
-        "params": 3 * d * d, "argument": memory.argument_size_in_bytes,
-        "temp": memory.temp_size_in_bytes, "ring": hlo.ring_bytes(found, jax.device_count()),
-        "opt": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.opt_state)),
-        **{kind: c.bytes for kind, c in found.items()}}}
+        "params": 3 * d * d, "rest": _per_device((state.params, state.opt_state)),
+        "argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+        "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+        "peak": (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                 + m.temp_size_in_bytes),
+        "ring": hlo.ring_bytes(found, jax.device_count()),
+        **{kind: c.bytes for kind, c in found.items()},
+        **{f"lowered {kind}": c.bytes for kind, c in asked.items()}}}
+
+
+def _lowered_collectives(lowered) -> dict:
+    """The collectives the program asks for, in their own dtypes, before XLA optimizes it (the
+    lowered HLO names its instructions without the `%` the compiled text has)."""
+    text = re.sub(r"^(\s*(?:ROOT\s+)?)(?=[\w.\-]+\s*=)", r"\1%",
+                  lowered.as_text(dialect="hlo"), flags=re.M)
+    return hlo.collectives(text)
 
 
 def _ms_per_step(b: dict, steps: int) -> float:
@@ -60,8 +97,8 @@ def _ms_per_step(b: dict, steps: int) -> float:
 
 
 def measure(params: int, steps: int = 2, rounds: int = 2) -> dict:
-    """Both modes' figures on this process's devices, the two timed alternately."""
-    built = {mode: _build(params, shard=mode == "sharded") for mode in ("replicated", "sharded")}
+    """Every mode's figures on this process's devices, the modes timed in alternating order."""
+    built = {mode: _build(params, options) for mode, options in MODES.items()}
     times = {mode: [] for mode in built}
     for r in range(rounds):
         for mode in list(built)[:: 1 if r % 2 == 0 else -1]:
@@ -69,18 +106,39 @@ def measure(params: int, steps: int = 2, rounds: int = 2) -> dict:
     return {m: {**b["figures"], "ms": statistics.median(times[m])} for m, b in built.items()}
 
 
-def _row(n: int, rep: dict, sh: dict) -> list:
-    """One device count's row; pairs are "replicated / sharded", bytes in MiB per device."""
-    def pair(key: str, scale: float = 2**20) -> str:
-        return " / ".join(report.fmt(x[key] / scale, 1) for x in (rep, sh))
-    return [n, f"{rep['params']:,}", pair("opt"), report.fmt(sh["opt"] / rep["opt"], 3),
-            f"{1 / n:.3f}", pair("argument"), pair("temp"), pair("all-reduce"),
-            " + ".join(report.fmt(sh[k] / 2**20, 1) for k in ("reduce-scatter", "all-gather")),
-            pair("ring"), pair("ms", 1), report.fmt(rep["ms"] / sh["ms"])]
+def largest(figures: dict, key: str, budget: int = BUDGET) -> float:
+    """Parameters of the largest MLP whose `key` bytes ("rest" or "peak") fit `budget` per
+    device, from this mode's measured bytes per parameter (memory of this MLP scales with its
+    parameters; the activations of 8 examples per device are a fraction of a percent here)."""
+    return budget / (figures[key] / figures["params"])
+
+
+def _rows(n: int, c: dict) -> list[list]:
+    """One device count's rows: one per mode, bytes in MiB per device."""
+    rep, rows = c["replicated"], []
+    for mode, f in c.items():
+        rows.append([n, mode, f"{f['params']:,}", report.fmt(f["rest"] / MiB, 1),
+                     report.fmt(f["rest"] / rep["rest"], 3), f"{1 / n:.3f}",
+                     report.fmt(f["peak"] / MiB, 1), report.fmt(f["temp"] / MiB, 1),
+                     *(" / ".join(report.fmt(f[k] / MiB, 1) for k in (f"lowered {kind}", kind))
+                       for kind in ("all-gather", "reduce-scatter")),
+                     report.fmt(f["all-reduce"] / MiB, 1), report.fmt(f["ring"] / MiB, 1),
+                     report.fmt(f["ms"], 0), report.fmt(f["ms"] / rep["ms"]),
+                     report.fmt(largest(f, "rest") / 1e6, 0),
+                     report.fmt(largest(f, "peak") / 1e6, 0)])
+    return rows
+
+
+HEADER = ["devices", "mode", "parameters", "params + opt state MiB at rest",
+          "at rest / replicated", "1/N", "step peak MiB (memory_analysis)", "of which temp MiB",
+          "all-gather MiB (HLO: lowered / compiled)", "reduce-scatter MiB (lowered / compiled)",
+          "all-reduce MiB (compiled)", "ring MiB sent (compiled)",
+          "ms / step", "time / replicated", f"largest MLP in {BUDGET // 2**30} GiB, M params: "
+          "at rest", "at peak"]
 
 
 def table(r: dict) -> str:
-    """Per device count (one fresh process each): replicated against sharded optimizer state."""
+    """Per device count (one fresh process each): every mode's memory, traffic and time."""
     rows, failed = [], []
     for n in r["settings"]["zero_devices"]:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.zero",
@@ -90,13 +148,15 @@ def table(r: dict) -> str:
         if proc.returncode:
             failed.append(f"\n- {n} devices failed: {proc.stderr.strip()[-300:]}")
             continue
-        c = json.loads(proc.stdout.splitlines()[-1])
-        rows.append(_row(n, c["replicated"], c["sharded"]))
-    return report.table(
-        ["devices", "parameters", "opt state MiB (shardings)", "sharded / replicated", "1/N",
-         "step arguments MiB (memory_analysis)", "step scratch MiB", "all-reduce MiB (HLO)",
-         "sharded: reduce-scatter + all-gather MiB", "ring MiB sent", "ms / step",
-         "speed sharded / replicated"], rows) + "".join(failed)
+        rows += _rows(n, json.loads(proc.stdout.splitlines()[-1]))
+    note = ("Per device. Peak: arguments + outputs - donated (aliased) + temporaries of the "
+            "compiled step (`memory_analysis()`). Collectives: result bytes of each kind, in the "
+            "lowered HLO (what the step asks for, in its dtypes; ZeRO's all-gather is added "
+            "later by the partitioner) and in the compiled HLO (what runs here: XLA:CPU widens "
+            "bf16 collectives to float32). Largest MLP: "
+            f"{BUDGET // 2**30} GiB / this mode's measured bytes per parameter (at rest, at "
+            "peak), computed, not tried.\n\n")
+    return note + report.table(HEADER, rows) + "".join(failed)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def block(results):
     from benchmarks import overhead, run
     stub = "| {} | value |\n| --- | --- |\n| stub | 1 |\n"
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("bench_input", "bench_checkpoint"):
+        for name in ("bench_input", "bench_checkpoint", "bench_progress"):
             patch.setitem(sys.modules, f"benchmarks.{name}", types.SimpleNamespace(
                 table=lambda name=name: stub.format(name)))
         patch.setattr(overhead, "table", lambda **_: stub.format("overhead"))
@@ -107,15 +107,43 @@ def test_every_table_renders_well_formed_with_finite_numbers(block):
                     assert math.isfinite(float(number.replace(",", ""))), (cell, rows[0])
 
 
-def test_sharded_optimizer_state_is_a_1_over_n_share_when_jdp_has_it(block):
-    found = tables(block.split("Optimizer-state sharding")[1].split("###")[0])
-    if not found:
-        pytest.skip("this jdp has no shard_optimizer")
+def test_sharded_state_at_rest_is_the_share_adam_predicts_in_the_table(block):
+    """ZeRO keeps the parameters whole and 1/N of Adam's two moments: (1 + 2/N) / 3 of the
+    replicated bytes; FSDP keeps 1/N of all three (at most 1 % more: padding, the count)."""
+    found = tables(block.split("### 9. ")[1].split("###")[0])
     header, *rows = found[0]
-    share, n = header.index("sharded / replicated"), header.index("1/N")
+    mode, share, n = (header.index(k) for k in ("mode", "at rest / replicated", "1/N"))
+    assert {row[mode] for row in rows} == {"replicated", "ZeRO", "FSDP", "FSDP bf16",
+                                           "FSDP bf16 + bf16 grads"}
     for row in rows:
-        if row[share] != "n/a":
-            assert float(row[share]) <= float(row[n]) + 0.01, row
+        expected = {"replicated": 1.0, "ZeRO": (1 + 2 * float(row[n])) / 3}.get(
+            row[mode], float(row[n]))
+        assert expected <= float(row[share]) <= expected + 0.01, row
+
+
+def test_zero_table_measures_the_bytes_adam_and_the_collectives_predict():
+    """Per device on the 8 test devices, from the model's size alone: bytes at rest of every
+    mode, the collectives' bytes in the lowered program (bf16 = half of float32), and a peak
+    that holds one whole gathered copy of the model under FSDP."""
+    import jax
+    from benchmarks import zero
+    n, got = jax.device_count(), zero.measure(3000, steps=1, rounds=1)
+    p = 3 * 24 * 24  # three 24 x 24 layers; 24 rows split evenly over 8 devices
+    f32, count = 4 * p, 4  # one float32 copy of the parameters; Adam's int32 step count
+    rest = {"replicated": 3 * f32, "ZeRO": f32 + 2 * f32 // n}
+    for mode, f in got.items():
+        assert f["params"] == p
+        assert f["rest"] == rest.get(mode, 3 * f32 // n) + count, mode
+        assert f["rest"] <= f["peak"] and math.isfinite(f["ms"]) and f["ms"] > 0, mode
+    assert f32 <= got["replicated"]["all-reduce"] <= f32 + 16  # + the loss and the stop flag
+    for mode, gather, scatter in [("FSDP", f32, f32), ("FSDP bf16", f32 // 2, f32),
+                                  ("FSDP bf16 + bf16 grads", f32 // 2, f32 // 2)]:
+        f = got[mode]
+        assert (f["lowered all-gather"], f["lowered reduce-scatter"]) == (gather, scatter // n)
+        assert f["peak"] >= f["rest"] + gather, mode  # the whole model, gathered
+        assert f["peak"] < got["replicated"]["peak"], mode
+    assert zero.largest(got["FSDP"], "rest") == pytest.approx(
+        n * zero.largest(got["replicated"], "rest"), rel=0.01)
 
 
 def test_host_overhead_rows_are_finite_and_jdp_does_the_same_math_as_jax_jit():
