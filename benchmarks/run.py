@@ -53,7 +53,9 @@ TABLES = [*report.TABLES,
            "(one device, alternated in one process)", selected("overhead", overhead_table)),
           ("12. How long save() blocks the training loop", selected(
               "checkpoint", lambda r: importlib.import_module(
-                  "benchmarks.bench_checkpoint").table()))]
+                  "benchmarks.bench_checkpoint").table())),
+          ("13. What the progress records cost a step", selected(
+              "progress", lambda r: importlib.import_module("benchmarks.bench_progress").table()))]
 
 
 def measure(workers: dict, settings: dict) -> dict:
@@ -140,7 +142,8 @@ def main(argv=None) -> None:
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
-                   "`input`, `overhead` or `checkpoint` for those tables (default: all)")
+                   "`input`, `overhead`, `checkpoint` or `progress` for those tables "
+                   "(default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])
     r["command"] = " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])])
