@@ -9,7 +9,12 @@
 * Verified (see `_integrity`) without a host copy: a damaged newest checkpoint is skipped with
   a warning naming the file or array; an explicitly requested one raises.
 
-Only array leaves are saved; the rest (`apply_fn`, `tx`) comes from the state given to restore.
+* One writer: process 0 names its job in `.jdp-writer` (`_owner`); a second job saving into the
+  directory is refused. Step directories without orbax's commit marker are moved out before a
+  save, so they never count toward `max_to_keep`.
+
+Array and number leaves are saved (a number comes back as its own type); any other leaf is
+refused; static fields (`apply_fn`, `tx`) come from the state given to restore.
 """
 from __future__ import annotations
 
@@ -18,7 +23,6 @@ import errno
 import json
 import operator
 import os
-import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -242,7 +246,7 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            if not _out_of_space(e):
+            if not self._disk.out_of_space(e):
                 raise
             error = OSError(f"no space left on {self.directory} while saving step "
                             f"{self._saving}; free space or save elsewhere (the earlier "
@@ -324,7 +328,7 @@ class Checkpointer:
 
     def _checked_read(self, step: int, read: Any, what: str) -> Any:
         """`read()`, with any failure turned into Damaged naming the file."""
-        _quiet_closed_loop_callbacks()
+        self._disk.quiet_closed_loop_callbacks()
         try:
             return read()
         except Exception as e:  # tensorstore, orbax, json and OS errors alike
@@ -396,34 +400,3 @@ def _loader_position(loader: Any) -> dict | None:
                         f"data to be checkpointed; got {position!r} ({e})") from None
     return position
 
-
-def _out_of_space(error: BaseException | None) -> bool:
-    """Whether `error`, or an error it chains, says the disk is full."""
-    seen = 0
-    while error is not None and seen < 20:
-        if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
-
-
-
-def _quiet_closed_loop_callbacks() -> None:
-    """Drop the stray "Event loop is closed" tracebacks of a failed read, and only those.
-
-    orbax reads in an event loop of its own and closes it when one read fails (a damaged
-    checkpoint), while tensorstore still completes the reads it had started: their callbacks
-    then fail in tensorstore's threads, printed after the clear error as tracebacks that say
-    nothing about the checkpoint. Every other unraisable error goes to the previous hook.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "_jdp_quiet", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
-
-    hook._jdp_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook

@@ -8,8 +8,10 @@ any) and `integrity` (one record per process).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import re
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -164,3 +166,34 @@ def empty_trash(root: epath.Path) -> None:
     """Delete the old steps that orbax's max_to_keep renamed into the trash."""
     if (root / TRASH).exists():
         (root / TRASH).rmtree()
+
+def out_of_space(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it chains, says the disk is full."""
+    seen = 0
+    while error is not None and seen < 20:
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+
+def quiet_closed_loop_callbacks() -> None:
+    """Drop the stray "Event loop is closed" tracebacks of a failed read, and only those.
+
+    orbax reads in an event loop of its own and closes it when one read fails (a damaged
+    checkpoint), while tensorstore still completes the reads it had started: their callbacks
+    then fail in tensorstore's threads, printed after the clear error as tracebacks that say
+    nothing about the checkpoint. Every other unraisable error goes to the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_jdp_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._jdp_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
