@@ -76,7 +76,14 @@ elastic (--nnodes MIN:MAX, --rdzv_timeout S): a round starts when MAX nodes are 
 stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S): jdp's steps, Loader and
   Checkpointer record each rank's progress; once any rank recorded some, S seconds without
   progress on every rank stop the job: the ranks behind are named with their Python stacks,
-  and the launcher exits 124 (after the restarts, like any failure).
+  and the launcher exits 124 (after the restarts, like any failure). A rank that finished
+  while a peer waits in a later step is named at once ("rank 0 finished at step 3; rank 1
+  waits in step 4") and the job stops the same way.
+
+goodput: at the end (and before a restart) one line says where the wall time went (start-up
+  and compilation, steps, data, eval, checkpoints, failures, other) and names stragglers,
+  ranks that reach each step late (also warned while running, at most once a minute); with
+  --logdir DIR also DIR/summary.json and DIR/goodput (TensorBoard). See docs/watching.md.
 
 stop requests (preemption): SIGTERM to the launcher is forwarded to every rank; a loop that
   asks jdp.preempted() sees it at the same step on every rank, saves and leaves. Ranks still
