@@ -31,7 +31,6 @@ import numpy as np
 import optax
 
 import jdp
-import jdp.metrics  # the writer (until jdp/__init__.py imports it)
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ gradients averaged by `lax.pmean`::
     for batch in jdp.data.Loader(source, batch_size=256, layout="global"):
         state, metrics = step(state, batch)
 """
-from jdp import checkpoint, data, launch, pmap
+from jdp import checkpoint, data, launch, metrics, pmap
 from jdp.checkpoint import Checkpointer
 from jdp.core import (
     AXIS,
@@ -60,6 +60,7 @@ __all__ = [
     "launch",
     "is_primary",
     "mesh",
+    "metrics",
     "pmap",
     "preempted",
     "print0",

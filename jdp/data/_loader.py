@@ -175,10 +175,13 @@ class Loader:
         batches = _background.prefetched(lambda b: place(host(b)), items, self.prefetch,
                                          self.timeout)
         with contextlib.closing(batches), self._workers_broken_on_timeout():
-            for batch in batches:
+            while True:
+                _progress.record("data")  # waiting for a batch: a rank stuck reading shows "data"
+                batch = next(batches, None)
+                if batch is None:
+                    break
                 self._inside_epoch()
                 self._step += 1
-                _progress.record("data")  # a rank stuck reading shows phase "data"
                 yield batch
         self._active = None  # finished: _move must not close this (running) generator
         self._move(self._epoch + 1, 0)
