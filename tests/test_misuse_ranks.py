@@ -80,6 +80,15 @@ case("loader_shuffle", loader({"batch_size": 4, "shuffle": True}, {"batch_size":
 case("loader_drop_last", loader({"batch_size": 4, "drop_last": True}, {"batch_size": 4}))
 case("loader_layout", loader({"batch_size": 4}, {"batch_size": 4, "layout": "pmap"}))
 case("loader_agreeing", loader({"batch_size": 4}, {"batch_size": 4}))
+
+
+def different_paths():          # rank 1 broadcasts once more; rank 0 goes on to its Loader
+    if r == 1:
+        jdp.broadcast_from_primary({"w": z(3)})
+    return loader({"batch_size": 4}, {"batch_size": 4})()
+
+
+case("different_paths", different_paths)         # last: the job's calls no longer pair up
 """
 
 CASES = ["shape", "dtype", "keys", "extra_leaf", "nested", "list_length", "scalar_vs_vector",
@@ -178,6 +187,20 @@ def test_loaders_that_differ_between_ranks_raise_on_every_rank(outcomes, name, w
 def test_agreeing_loaders_give_each_rank_its_own_rows(outcomes):
     # 16 examples, 2 ranks, batch 4, no shuffle: rank r reads 0+r, 2+r, 4+r, 6+r.
     assert [o for _, o in _both(outcomes, "loader_agreeing")] == ["ok 12", "ok 16"]
+
+
+def test_ranks_that_take_different_paths_name_where_each_waits(outcomes):
+    (t0, rank0), (t1, rank1) = _both(outcomes, "different_paths")
+    # the 8th Loader agreement on rank 0; rank 1's 11th broadcast, which rank 0 never made
+    assert rank0.startswith("RuntimeError: jdp.data.Loader: process 0 waits here (call 8) "
+                            "while process 1 waits in jdp.broadcast_from_primary (call 11), "
+                            "which process 0 has not reached"), rank0
+    assert rank1.startswith("RuntimeError: jdp.broadcast_from_primary: process 1 waits here "
+                            "(call 11) while process 0 waits in jdp.data.Loader (call 8), which "
+                            "process 1 has not reached"), rank1
+    for outcome in (rank0, rank1):
+        assert "the processes took different paths through the program" in outcome
+    assert max(t0, t1) < 10
 
 
 NO_INIT = """

@@ -10,15 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 # Private, for want of a public API: the coordination-service client (see _init.py).
 from jax._src import distributed as _jax_distributed  # no public API: see above
+from jax.experimental import multihost_utils
 
 from jdp.distributed import _init
 from jdp.launch import _env
@@ -121,6 +122,8 @@ def agree(topic: str, facts: Sequence[tuple[str, str]], who: str, fix: str,
     The n-th call for `topic` on one process meets the n-th call on the others. Each process
     publishes a hash of its facts and reads everyone's (timed); only on a difference are the
     facts themselves read, to name the first one that differs and the processes on each side.
+    A process that waits at another agreement point, one this process has not begun, can never
+    come here: that deadlock is named within about a second (see `_get`).
     """
     client = _jax_distributed.global_state.client
     if client is None or jax.process_count() == 1:
@@ -130,33 +133,56 @@ def agree(topic: str, facts: Sequence[tuple[str, str]], who: str, fix: str,
     text = json.dumps([list(f) for f in facts])
     client.key_value_set(f"{prefix}/facts/{me}", text)
     client.key_value_set(f"{prefix}/hash/{me}", hashlib.sha256(text.encode()).hexdigest())
-    hashes = _get_all(client, f"{prefix}/hash", count, who, timeout_s)
+    client.key_value_set(f"jdp/agree/at/{me}", json.dumps([topic, n, who]), allow_overwrite=True)
+    here = _Point(topic, n, who, timeout_s)
+    hashes = [_get(client, f"{prefix}/hash/{r}", here, r) for r in range(count)]
     if len(set(hashes)) == 1:
         return
     groups: dict[str, list[int]] = {}
     for rank, h in enumerate(hashes):
         groups.setdefault(h, []).append(rank)
     ranks_a, ranks_b = list(groups.values())[:2]
-    other = [json.loads(_get(client, f"{prefix}/facts/{r[0]}", who, timeout_s, r[0]))
+    other = [json.loads(_get(client, f"{prefix}/facts/{r[0]}", here, r[0]))
              for r in (ranks_a, ranks_b)]
     name, value_a, value_b = _first_difference(*other)
     raise ValueError(f"{who}: the processes disagree on {name}: {value_a} on process(es) "
                      f"{_ranks(ranks_a)} but {value_b} on process(es) {_ranks(ranks_b)}; {fix}")
 
 
-def _get_all(client: Any, prefix: str, count: int, who: str, timeout_s: float) -> list[str]:
-    return [_get(client, f"{prefix}/{r}", who, timeout_s, r) for r in range(count)]
+class _Point(NamedTuple):
+    """An agreement point: the n-th call for `topic`, made by `who`."""
+    topic: str
+    n: int
+    who: str
+    timeout_s: float
 
 
-def _get(client: Any, key: str, who: str, timeout_s: float, rank: int) -> str:
-    try:
-        return client.blocking_key_value_get(key, int(timeout_s * 1000))
-    except jax.errors.JaxRuntimeError as e:
-        if "DEADLINE_EXCEEDED" not in str(e):
-            raise
-        raise TimeoutError(f"{who}: process {rank} did not reach this call within {timeout_s:g}"
-                           f" s (process {jax.process_index()} waited): it is slow, stuck, dead "
-                           "or takes another path through the program") from None
+def _get(client: Any, key: str, here: _Point, rank: int) -> str:
+    """Process `rank`'s value of `key`, polled each second; between polls, a `rank` waiting at
+    a point this process has not begun is a deadlock, raised at once."""
+    deadline = time.monotonic() + here.timeout_s
+    while True:
+        wait = max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
+        try:
+            return client.blocking_key_value_get(key, wait)
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+        me = jax.process_index()
+        try:
+            topic, n, who = json.loads(client.key_value_try_get(f"jdp/agree/at/{rank}"))
+        except jax.errors.JaxRuntimeError:  # not found: it has waited at no agreement point
+            topic, n, who = None, 0, None
+        if topic is not None and _rounds.get(topic, 0) < n:
+            raise RuntimeError(
+                f"{here.who}: process {me} waits here (call {here.n}) while process {rank} waits "
+                f"in {who} (call {n}), which process {me} has not reached: the processes took "
+                "different paths through the program; make every process make the same jdp "
+                "calls in the same order")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{here.who}: process {rank} did not reach this call within "
+                               f"{here.timeout_s:g} s (process {me} waited): it is slow, stuck, "
+                               "dead or takes another path through the program")
 
 
 def _first_difference(a: list, b: list) -> tuple[str, str, str]:
