@@ -7,10 +7,13 @@ within seconds, naming what differs and on which processes; host values must arr
 """
 import json
 import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from conftest import assert_one_line, job_env, run_python, wait_until_gone, write_script
+from conftest import REPO, assert_one_line, job_env, run_python, wait_until_gone, write_script
 
 import jdp
 
@@ -286,3 +289,43 @@ def test_one_process_passes_and_the_check_is_not_repeated(launched, tmp_path):
     launched.setattr(_group, "_launcher_variables", None)   # would fail if called again
     for who in ENTRY_POINTS.values():
         who(tmp_path)
+
+
+MPIRUN = shutil.which("mpirun")
+UNDER_MPIRUN = """
+import sys, time
+import jax, numpy as np
+import jdp
+
+if sys.argv[1] == "join":
+    jdp.initialize()
+r = jax.process_index()
+start = time.monotonic()
+try:
+    jdp.broadcast_from_primary({"w": np.zeros(3 if r == 0 else 4)})
+except Exception as e:
+    print(f"rank {r} after {time.monotonic() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI) is not installed")
+@pytest.mark.parametrize("join", ["join", "forget"])
+def test_under_mpirun_a_disagreement_or_a_missing_initialize_is_named(tmp_path, tag, join):
+    script = write_script(tmp_path, "mpi.py", UNDER_MPIRUN)
+    env = job_env(tag)
+    done = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                           "-x", "JAX_PLATFORMS", "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG",
+                           "-x", "XLA_FLAGS", sys.executable, script, join],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    if join == "join":
+        lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+        assert [line.split(" after ")[0] for line in lines] == ["rank 0", "rank 1"], out
+        for line in lines:
+            assert "ValueError: jdp.broadcast_from_primary: the processes disagree on ['w']: " \
+                   "float64[3] on process(es) 0 but float64[4] on process(es) 1" in line
+            assert float(line.split(" after ")[1].split(" s")[0]) < 60
+    else:
+        assert out.count("RuntimeError: jdp.broadcast_from_primary: this process runs under a "
+                         "launcher (OMPI_COMM_WORLD_SIZE=2) but jdp.initialize() was not "
+                         "called") == 2, out      # on both ranks
