@@ -84,6 +84,10 @@ case("loader_drop_last", loader({"batch_size": 4, "drop_last": True}, {"batch_si
 case("loader_layout", loader({"batch_size": 4}, {"batch_size": 4, "layout": "pmap"}))
 case("loader_agreeing", loader({"batch_size": 4}, {"batch_size": 4}))
 
+ckpt = jdp.checkpoint.Checkpointer(sys.argv[1])
+state = jdp.broadcast({"w": z(3), "extra": z(2)})
+case("checkpoint_tree", lambda: ckpt.save(1, {"w": state["w"]} if r == 0 else state))
+
 
 def different_paths():          # rank 1 broadcasts once more; rank 0 goes on to its Loader
     if r == 1:
@@ -106,7 +110,7 @@ def outcomes(tmp_path_factory):
     import uuid
     tmp, tag = tmp_path_factory.mktemp("ranks"), uuid.uuid4().hex
     script = write_script(tmp, "ranks.py", RANKS)
-    done = run_python(["-m", "jdp.launch", "--nproc_per_node", "2", script],
+    done = run_python(["-m", "jdp.launch", "--nproc_per_node", "2", script, str(tmp / "ckpt")],
                       env=job_env(tag), timeout=240)
     wait_until_gone(tag, timeout=10)
     found = {}
@@ -192,14 +196,22 @@ def test_agreeing_loaders_give_each_rank_its_own_rows(outcomes):
     assert [o for _, o in _both(outcomes, "loader_agreeing")] == ["ok 12", "ok 16"]
 
 
+def test_a_checkpoint_of_different_trees_is_refused_on_every_rank(outcomes):
+    for seconds, outcome in _both(outcomes, "checkpoint_tree"):
+        assert outcome == ("ValueError: Checkpointer.save: the processes disagree on extra: "
+                           "absent on process(es) 0 but float32[2] on process(es) 1; every "
+                           "process must save the same state"), outcome
+        assert seconds < 60
+
+
 def test_ranks_that_take_different_paths_name_where_each_waits(outcomes):
     (t0, rank0), (t1, rank1) = _both(outcomes, "different_paths")
-    # the 8th Loader agreement on rank 0; rank 1's 11th broadcast, which rank 0 never made
+    # the 8th Loader agreement on rank 0; rank 1's 12th broadcast, which rank 0 never made
     assert rank0.startswith("RuntimeError: jdp.data.Loader: process 0 waits here (call 8) "
-                            "while process 1 waits in jdp.broadcast_from_primary (call 11), "
+                            "while process 1 waits in jdp.broadcast_from_primary (call 12), "
                             "which process 0 has not reached"), rank0
     assert rank1.startswith("RuntimeError: jdp.broadcast_from_primary: process 1 waits here "
-                            "(call 11) while process 0 waits in jdp.data.Loader (call 8), which "
+                            "(call 12) while process 0 waits in jdp.data.Loader (call 8), which "
                             "process 1 has not reached"), rank1
     for outcome in (rank0, rank1):
         assert "the processes took different paths through the program" in outcome

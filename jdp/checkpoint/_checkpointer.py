@@ -135,10 +135,10 @@ class Checkpointer:
         _checks.not_donated(state)
         found = tree.leaves(pmap.to_global(state), "Checkpointer.save")
         position = _loader_position(loader)
+        self._agree("save", step)
         _group.agree("checkpoint-save", [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
                                          for leaf in found], "Checkpointer.save",
                      "every process must save the same state", self.timeout_s)
-        self._agree("save", step)
         latest = ([s for s in self.all_steps() if s not in self._damaged] or [None])[-1]
         if latest is not None and step <= latest:
             raise ValueError(
