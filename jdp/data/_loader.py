@@ -144,7 +144,8 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of epoch `epoch`; a no-op when already in it (resumes mid-epoch).
 
-        Calling the sampler's `set_epoch` directly has the same effect.
+        Calling the sampler's `set_epoch` directly has the same effect between epochs; inside
+        a loop over the epoch it raises RuntimeError at the next batch.
         """
         epoch = _require_int("Loader.set_epoch", "epoch", epoch, 0,
                              "pass the epoch number, counted from 0")
