@@ -243,6 +243,7 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
                              out_specs=P())(state, batch, stop)
 
     def check(state, batch):
+        _group.require_job("jdp.eval_step")
         _checks.placed_state(state, shard_optimizer=None)
         _checks.global_batch(batch, 1)
 
