@@ -16,9 +16,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-
-# Private, for want of a public API: the coordination-service client (see _init.py).
-from jax._src import distributed as _jax_distributed  # no public API: see above
 from jax.experimental import multihost_utils
 
 from jdp.distributed import _init
@@ -125,7 +122,7 @@ def agree(topic: str, facts: Sequence[tuple[str, str]], who: str, fix: str,
     A process that waits at another agreement point, one this process has not begun, can never
     come here: that deadlock is named within about a second (see `_get`).
     """
-    client = _jax_distributed.global_state.client
+    client = _init.coordination_client()
     if client is None or jax.process_count() == 1:
         return
     n = _rounds[topic] = _rounds.get(topic, 0) + 1

@@ -43,6 +43,12 @@ class _Plan(NamedTuple):
     cluster: str | None              # JAX cluster_detection_method ("auto" = JAX decides)
 
 
+
+def coordination_client():
+    """JAX's coordination-service client (its key-value store and barriers), or None before
+    `initialize()`: the one use of the private module imported above."""
+    return _jax_distributed.global_state.client
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
                *, initialization_timeout: int | None = None, heartbeat_timeout: int | None = None,
@@ -326,7 +332,7 @@ def barrier(name: str = "jdp.barrier", timeout_s: float = 300.0) -> None:
         preparing the dataset
         >>> jdp.barrier("dataset-ready", timeout_s=60)
     """
-    client = _jax_distributed.global_state.client
+    client = coordination_client()
     if client is None:
         return
     try:

@@ -54,12 +54,8 @@ class RankTimes(NamedTuple):
 
 def read(path: str) -> RankTimes | None:
     """The slot file at `path`, or None when it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_progress.SLOT_SIZE)
-    except OSError:
-        return None
-    if len(data) < _progress.SLOT_SIZE:
+    data = _progress.slot_bytes(path, _progress.SLOT_SIZE)
+    if data is None:
         return None
     count, step, code, last = _progress.HEAD.unpack_from(data)
     first = _progress._DOUBLE.unpack_from(data, _progress.FIRST_AT)[0]

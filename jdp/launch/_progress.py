@@ -113,14 +113,20 @@ def _finished() -> None:
         record("done")
 
 
-def read_slot(path: str) -> tuple[int, int, str] | None:
-    """(progress count, steps run or -1, phase) from a slot file; None if unreadable."""
+def slot_bytes(path: str, size: int) -> bytes | None:
+    """The first `size` bytes of a slot file; None when it cannot be read (yet)."""
     try:
         with open(path, "rb") as f:
-            data = f.read(SLOT.size)
+            data = f.read(size)
     except OSError:
         return None
-    if len(data) < SLOT.size:
+    return data if len(data) >= size else None
+
+
+def read_slot(path: str) -> tuple[int, int, str] | None:
+    """(progress count, steps run or -1, phase) from a slot file; None if unreadable."""
+    data = slot_bytes(path, SLOT.size)
+    if data is None:
         return None
     count, step, code = SLOT.unpack(data)
     return count, step, PHASES[code] if code < len(PHASES) else "other"
