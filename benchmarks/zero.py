@@ -7,10 +7,14 @@ reduced in bf16 too (`comm_dtype=jnp.bfloat16`). Each device count runs in a fre
 (`python -m benchmarks.zero PARAMS` prints one JSON line). Per device: parameters + optimizer
 state at rest (from the arrays' shards), the compiled step's peak (XLA's buffer assignment,
 `memory_analysis()`: arguments + outputs - aliased (donated) + temporaries), the collectives'
-result bytes from the HLO, and ms per step, the five modes alternated.
+result bytes from the HLO, and ms per step, each mode alternated with the replicated step.
+Children run with glibc's default allocator (`JDP_MALLOC_TUNING=0`): with jdp's tuning (large
+blocks from the heap, never mmap'd; trimmed only past 1 GiB) the 8-device child's resident
+memory reached 20 GB instead of 10 GB, more than the benchmark machine can spare.
 """
 from __future__ import annotations
 
+import gc
 import json
 import re
 import statistics
@@ -97,13 +101,26 @@ def _ms_per_step(b: dict, steps: int) -> float:
 
 
 def measure(params: int, steps: int = 2, rounds: int = 2) -> dict:
-    """Every mode's figures on this process's devices, the modes timed in alternating order."""
-    built = {mode: _build(params, options) for mode, options in MODES.items()}
-    times = {mode: [] for mode in built}
-    for r in range(rounds):
-        for mode in list(built)[:: 1 if r % 2 == 0 else -1]:
-            times[mode].append(_ms_per_step(built[mode], steps))
-    return {m: {**b["figures"], "ms": statistics.median(times[m])} for m, b in built.items()}
+    """Every mode's figures on this process's devices. Each mode is built after the previous
+    one is freed (the replicated state of 50M parameters on 8 devices alone takes 7 GB) and
+    timed alternately with the replicated step: its ratio is the median over rounds of the two
+    timed in the same round."""
+    rep = _build(params, MODES["replicated"])
+    rep_ms, out = [], {"replicated": rep["figures"]}
+    for mode in list(MODES)[1:]:
+        b, times, ratios = _build(params, MODES[mode]), [], []
+        for r in range(rounds):
+            pair = [rep, b] if r % 2 == 0 else [b, rep]
+            ms = {id(x): _ms_per_step(x, steps) for x in pair}
+            rep_ms.append(ms[id(rep)])
+            times.append(ms[id(b)])
+            ratios.append(ms[id(b)] / ms[id(rep)])
+        out[mode] = {**b["figures"], "ms": statistics.median(times),
+                     "ratio": statistics.median(ratios)}
+        del b
+        gc.collect()
+    out["replicated"].update(ms=statistics.median(rep_ms), ratio=1.0)
+    return out
 
 
 def largest(figures: dict, key: str, budget: int = BUDGET) -> float:
@@ -123,7 +140,7 @@ def _rows(n: int, c: dict) -> list[list]:
                      *(" / ".join(report.fmt(f[k] / MiB, 1) for k in (f"lowered {kind}", kind))
                        for kind in ("all-gather", "reduce-scatter")),
                      report.fmt(f["all-reduce"] / MiB, 1), report.fmt(f["ring"] / MiB, 1),
-                     report.fmt(f["ms"], 0), report.fmt(f["ms"] / rep["ms"]),
+                     report.fmt(f["ms"], 0), report.fmt(f["ratio"]),
                      report.fmt(largest(f, "rest") / 1e6, 0),
                      report.fmt(largest(f, "peak") / 1e6, 0)])
     return rows
@@ -143,10 +160,11 @@ def table(r: dict) -> str:
     for n in r["settings"]["zero_devices"]:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.zero",
                                str(r["settings"]["zero_params"])], cwd=jobs.REPO, text=True,
-                              env=jobs.base_env("tuned", XLA_FLAGS=jobs.device_flags(n)),
+                              env=jobs.base_env("default", XLA_FLAGS=jobs.device_flags(n)),
                               capture_output=True, timeout=1200)
         if proc.returncode:
-            failed.append(f"\n- {n} devices failed: {proc.stderr.strip()[-300:]}")
+            failed.append(f"\n- {n} devices failed (exit {proc.returncode}): "
+                          f"{proc.stderr.strip()[-300:]}")
             continue
         rows += _rows(n, json.loads(proc.stdout.splitlines()[-1]))
     note = ("Per device. Peak: arguments + outputs - donated (aliased) + temporaries of the "

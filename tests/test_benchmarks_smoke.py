@@ -126,6 +126,7 @@ def test_zero_table_measures_the_bytes_adam_and_the_collectives_predict():
     mode, the collectives' bytes in the lowered program (bf16 = half of float32), and a peak
     that holds one whole gathered copy of the model under FSDP."""
     import jax
+
     from benchmarks import zero
     n, got = jax.device_count(), zero.measure(3000, steps=1, rounds=1)
     p = 3 * 24 * 24  # three 24 x 24 layers; 24 rows split evenly over 8 devices
