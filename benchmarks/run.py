@@ -45,7 +45,8 @@ def overhead_table(r: dict) -> str:
 
 
 TABLES = [*report.TABLES,
-          ("9. Optimizer-state sharding (ZeRO-1): memory, traffic, time",
+          ("9. Sharded training state (ZeRO, FSDP, bf16) against replication: memory at rest "
+           "and at peak, traffic, time",
            selected("zero", zero.table)),
           ("10. Input pipeline", selected(
               "input", lambda r: importlib.import_module("benchmarks.bench_input").table())),
