@@ -1,14 +1,16 @@
-"""jdp: data-parallel training for JAX, in the manner of PyTorch DDP + torchrun.
+"""jdp: data-parallel training for JAX on global arrays, with its launcher.
 
 A pure single-device train step becomes one that runs on every device of every process, with
 gradients averaged by `lax.pmean`::
 
     import jdp
     jdp.initialize()
-    state = jdp.broadcast(state)                  # or jdp.replicate(state): the pmap form
+    state = jdp.broadcast(state)                  # global arrays on jdp.mesh()
     step = jdp.train_step(loss_fn)
-    for batch in jdp.data.Loader(source, batch_size=256, layout="global"):
+    for batch in jdp.data.Loader(source, batch_size=256):
         state, metrics = step(state, batch)
+
+The classic pmap form (stacked state, a real `jax.pmap`) is `jdp.pmap`.
 """
 from jdp import checkpoint, data, launch, metrics, pmap
 from jdp.checkpoint import Checkpointer
