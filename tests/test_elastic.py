@@ -135,6 +135,14 @@ def trained_once(tmp_path, nodes) -> Counter:
     return kept
 
 
+def stop_all(nodes) -> None:
+    """Kill and reap every launcher still running (a failing test leaves none behind)."""
+    for p in nodes:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
 def start_job(tmp_path, tag):
     script = write_script(tmp_path, "train.py", TRAIN)
     port = free_port()
@@ -148,10 +156,7 @@ def test_a_lost_node_leaves_the_others_to_finish_the_epoch_each_example_once(tmp
         lost_at = kill_node(tag, nodes[1])
         codes = [nodes[k].wait(timeout=240) for k in (0, 2)]
     finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        stop_all(nodes)
     consoles = [(tmp_path / f"node{k}.txt").read_text() for k in range(3)]
     assert codes == [0, 0], consoles
     for k in (0, 2):   # one summary line for the round, on every launcher left
@@ -186,10 +191,7 @@ def test_a_node_started_again_rejoins_and_the_job_ends_with_three(tmp_path, tag)
         nodes.append(launcher(tmp_path, tag, port, 1, script))
         codes = [nodes[k].wait(timeout=240) for k in (0, 2, 3)]
     finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        stop_all(nodes)
     consoles = [(tmp_path / f"node{k}.txt").read_text() for k in range(3)]
     assert codes == [0, 0, 0], consoles
     for k in range(3):
@@ -219,10 +221,7 @@ def test_losing_node_0_ends_the_job_on_every_node_with_what_to_do(tmp_path, tag)
         codes = [nodes[k].wait(timeout=60) for k in (1, 2)]
         waited = time.time() - lost_at
     finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        stop_all(nodes)
     for k in (1, 2):
         console = (tmp_path / f"node{k}.txt").read_text()
         assert "lost node 0's launcher" in console and "start the launchers again" in console

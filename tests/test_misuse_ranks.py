@@ -128,6 +128,15 @@ def _both(outcomes, name):
     return got
 
 
+def _named_on_both(outcomes, name, who, words, fix):
+    """Both ranks raised, within 60 s, one ValueError from `who` naming `words` and `fix`."""
+    for seconds, outcome in _both(outcomes, name):
+        assert outcome.startswith(f"ValueError: {who}: the processes disagree on "), outcome
+        assert all(w in outcome for w in words), outcome
+        assert fix in outcome, outcome
+        assert seconds < 60, seconds
+
+
 @pytest.mark.parametrize("name, words", [
     ("shape", ["['w']: float32[3] on process(es) 0 but float32[4] on process(es) 1"]),
     ("dtype", ["['w']: float32[3] on process(es) 0 but float64[3] on process(es) 1"]),
@@ -139,12 +148,8 @@ def _both(outcomes, name):
     ("string_length", ["['s']: <U4[] on process(es) 0 but <U5[] on process(es) 1"]),
 ])
 def test_a_tree_that_differs_between_ranks_raises_on_every_rank(outcomes, name, words):
-    for seconds, outcome in _both(outcomes, name):
-        assert outcome.startswith("ValueError: jdp.broadcast_from_primary: the processes "
-                                  "disagree on "), outcome
-        assert all(w in outcome for w in words), outcome
-        assert "every process must build the same tree" in outcome
-        assert seconds < 60, seconds
+    _named_on_both(outcomes, name, "jdp.broadcast_from_primary", words,
+                   "every process must build the same tree")
 
 
 def test_the_job_goes_on_after_a_disagreement(outcomes):
@@ -183,12 +188,7 @@ def test_host_values_arrive_bit_for_bit_on_every_rank(outcomes, key):
     ("loader_layout", ["layout: global on process(es) 0 but pmap on process(es) 1"]),
 ])
 def test_loaders_that_differ_between_ranks_raise_on_every_rank(outcomes, name, words):
-    for seconds, outcome in _both(outcomes, name):
-        assert outcome.startswith("ValueError: jdp.data.Loader: the processes disagree on "), \
-            outcome
-        assert all(w in outcome for w in words), outcome
-        assert "on every process" in outcome
-        assert seconds < 60, seconds
+    _named_on_both(outcomes, name, "jdp.data.Loader", words, "on every process")
 
 
 def test_agreeing_loaders_give_each_rank_its_own_rows(outcomes):
