@@ -76,8 +76,7 @@ def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...
     """{keys: logical shape} of leaves stored padded on their leading axis: ZeRO's optimizer
     state (`tx.init(params)`'s shapes) and FSDP's parameters (`Sharded`)."""
     try:
-        shapes = _zero.logical_shapes(state.params)
-        opt_state, logical = state.opt_state, jax.eval_shape(state.tx.init, shapes)
+        opt_state, logical = state.opt_state, _zero.logical_opt_state(state)
     except Exception:  # noqa: BLE001 - not an optax train state we understand: no padding
         return {}
     out = {_keys((jax.tree_util.GetAttrKey("params"), *path)): (x.rows, *x.value.shape[1:])

@@ -154,8 +154,7 @@ def unshard(state: Any) -> Any:
     opt_state = getattr(state, "opt_state", None)
     if opt_state is None or getattr(state, "tx", None) is None:
         return state
-    shapes = _zero.logical_shapes(state.params)
-    logical = jax.eval_shape(state.tx.init, shapes)
+    logical = _zero.logical_opt_state(state)
     if not _zero.is_stored(opt_state, logical):
         return state
     params = state.params

@@ -184,6 +184,12 @@ def logical_shapes(params: Any) -> Any:
     return jax.tree.map(one, params, is_leaf=is_sharded)
 
 
+def logical_opt_state(state: Any) -> Any:
+    """`jax.ShapeDtypeStruct`s of the optimizer state `tx.init` makes for the model's own
+    parameter shapes: what ZeRO and FSDP store padded."""
+    return jax.eval_shape(state.tx.init, logical_shapes(state.params))
+
+
 def gather_params(params: Any, compute_dtype: Any) -> Any:
     """Inside shard_map: every device's copy of the whole model, in its own shapes, cast to
     `compute_dtype` before the all-gather (half the bytes for bfloat16)."""
