@@ -18,7 +18,7 @@ from benchmarks import report
 
 
 def _slot_on(path: str) -> None:
-    from jdp.launch import _progress
+    from jdp.job import progress as _progress
     with open(path, "wb") as f:
         f.write(bytes(_progress.SLOT_SIZE))
     os.environ["JDP_PROGRESS_FILE"] = path
@@ -26,14 +26,14 @@ def _slot_on(path: str) -> None:
 
 
 def _slot_off() -> None:
-    from jdp.launch import _progress
+    from jdp.job import progress as _progress
     os.environ.pop("JDP_PROGRESS_FILE", None)
     _progress._slot = False           # as in a process without a supervisor
 
 
 def record_cost(path: str, calls: int = 200_000) -> float:
     """Seconds per `record("step", k)` call into a slot file."""
-    from jdp.launch import _progress
+    from jdp.job import progress as _progress
     _slot_on(path)
     start = time.perf_counter()
     for k in range(calls):

@@ -1,7 +1,7 @@
 """The benchmark jobs: one command line and environment per configuration.
 
 "default" jobs run with glibc's malloc defaults (`JDP_MALLOC_TUNING=0`), "tuned" ones with
-jdp's allocator settings (`jdp.launch._malloc.ENV`, read by glibc at start, as the launcher
+jdp's allocator settings (`jdp.job.malloc.ENV`, read by glibc at start, as the launcher
 sets them).
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ import os
 import sys
 from typing import NamedTuple
 
-from jdp.launch._env import RANK_VARS
-from jdp.launch._malloc import ENV as MALLOC_ENV
-from jdp.launch._net import free_port
+from jdp.job.env import RANK_VARS
+from jdp.job.malloc import ENV as MALLOC_ENV
+from jdp.job.net import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -38,7 +38,7 @@ from jdp.distributed import (
     shutdown,
 )
 from jdp.launch import ProcessExitedException, ProcessRaisedException, spawn
-from jdp.launch._progress import preempted
+from jdp.job import preempted
 from jdp.pmap import replicate, unreplicate  # the classic form's top-level names
 
 __version__ = "0.1.0"

@@ -42,7 +42,7 @@ def stuck_at_step(rank: int, bad_rank: int, stuck_step: int) -> None:
     import jax
     import numpy as np
 
-    from jdp.launch import _progress
+    from jdp.job import progress as _progress
 
     step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
     x = np.ones(jax.local_device_count(), np.float32)

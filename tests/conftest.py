@@ -20,7 +20,7 @@ NUM_DEVICES = 8
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (the launcher's own pick)."""
-    from jdp.launch._net import free_port as pick  # imported late: jax must see XLA_FLAGS first
+    from jdp.job.net import free_port as pick  # imported late: jax must see XLA_FLAGS first
 
     return pick("127.0.0.1")
 
@@ -31,7 +31,7 @@ def child_env(devices: int = 1, **extra: str) -> dict:
     Launcher/rank variables of the test process itself are removed so that a child starts
     as a fresh single process unless `extra` says otherwise.
     """
-    from jdp.launch._env import RANK_VARS  # imported late: jax must see XLA_FLAGS first
+    from jdp.job.env import RANK_VARS  # imported late: jax must see XLA_FLAGS first
 
     env = {k: v for k, v in os.environ.items() if k not in (*RANK_VARS, "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
@@ -178,7 +178,7 @@ def tag() -> str:
 def tagged(monkeypatch, tag):
     """For jobs started in this process (jdp.spawn): children inherit our environment, so tag
     it, clear launcher variables, and let them import the tests' modules (_spawn_targets)."""
-    from jdp.launch._env import RANK_VARS
+    from jdp.job.env import RANK_VARS
 
     tests = os.path.dirname(os.path.abspath(__file__))
     for name, value in job_env(tag).items():

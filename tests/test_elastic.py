@@ -241,7 +241,7 @@ def node_thread(results, node, port, run_round, min_nodes=2, max_nodes=3, rdzv_t
     import threading
 
     from jdp.launch import _rounds
-    from jdp.launch._outcome import Job
+    from jdp.job.outcome import Job
     job = Job("jdp.launch", max_nodes, max_nodes, node)
 
     def target():
@@ -254,7 +254,7 @@ def node_thread(results, node, port, run_round, min_nodes=2, max_nodes=3, rdzv_t
 
 def recording(places, node, until=None):
     """A run_round that records this node's Round per round and ends as `until(r, place)`."""
-    from jdp.launch._outcome import Outcome, State
+    from jdp.job.outcome import Outcome, State
 
     def run_round(r, place):
         places.setdefault(node, []).append((r, place[:4]))
@@ -263,8 +263,8 @@ def recording(places, node, until=None):
 
 
 def test_rounds_go_on_without_a_lost_node_renumbered_densely(capsys):
-    from jdp.launch import _net
-    from jdp.launch._outcome import Outcome, State
+    from jdp.job import net as _net
+    from jdp.job.outcome import Outcome, State
     port, places, results = free_port(), {}, {}
 
     def until_stopped(r, place):   # round 0 runs until the keeper stops it
@@ -293,8 +293,8 @@ def test_rounds_go_on_without_a_lost_node_renumbered_densely(capsys):
 def test_a_launcher_that_connects_mid_round_drains_it_and_joins_the_next(capsys):
     import threading
 
-    from jdp.launch import _net
-    from jdp.launch._outcome import Outcome, State
+    from jdp.job import net as _net
+    from jdp.job.outcome import Outcome, State
     port, places, results, joined = free_port(), {}, {}, threading.Event()
 
     def until_drained(r, place):   # round 0 (2 nodes) runs until the keeper drains it
@@ -355,8 +355,8 @@ def test_bad_elastic_arguments_exit_2_with_one_line(argv, message, capsys):
 def test_a_fixed_size_job_waits_for_the_lost_node_instead_of_going_on(capsys):
     """--nnodes 3 (fixed), as before elastic jobs: the round after a loss starts only when a
     launcher of the lost node is back, with the same numbering."""
-    from jdp.launch import _net
-    from jdp.launch._outcome import Outcome, State
+    from jdp.job import net as _net
+    from jdp.job.outcome import Outcome, State
     port, places, results = free_port(), {}, {}
 
     def until_stopped(r, place):

@@ -15,13 +15,13 @@ import time
 
 from conftest import REPO, job_env, start_launcher, wait_for_text, wait_until_gone, write_script
 
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 
 LOOP = """
 import sys, time
 import jax, numpy as np
 import jdp
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 
 jdp.initialize()
 psum = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
@@ -69,7 +69,7 @@ def rank_pid(tag: str, rank: int) -> int:
     from conftest import job_processes
     for p in job_processes(tag):
         env = p.environ()
-        if env.get("RANK") == str(rank) and "_run.py" in " ".join(p.cmdline()):
+        if env.get("RANK") == str(rank) and "jdp/job/run.py" in " ".join(p.cmdline()):
             return p.pid
     raise AssertionError(f"rank {rank} not found")
 
@@ -96,7 +96,7 @@ def test_sigterm_to_one_rank_stops_the_whole_job_cleanly(tmp_path, tag):
 
 IGNORING = """
 import time
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 _progress.preempted()          # catches SIGTERM, then never looks again
 print("ready", flush=True)
 time.sleep(600)

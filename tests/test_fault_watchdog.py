@@ -13,13 +13,13 @@ import pytest
 from conftest import job_env, start_launcher, wait_until_gone, write_script
 
 import jdp
-from jdp.launch import _progress, _watchdog
+from jdp.job import progress as _progress, watchdog as _watchdog
 
 STUCK = """
 import sys, time
 import jax, numpy as np
 import jdp
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 
 jdp.initialize()
 step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
@@ -50,7 +50,7 @@ def test_a_stuck_rank_is_named_shown_and_stopped(tmp_path, tag):
     assert "rank 0 waiting at step 6" in report, report
     assert f'File "{script}", line {SLEEP_LINE}, in <module>' in report, report
     assert "time.sleep(10**6)" in report, report                     # its source line
-    assert "runpy" not in report and "_run.py" not in report, report
+    assert "runpy" not in report and "run.py" not in report, report
     assert wait_until_gone(tag, timeout=2.0) < 2.0
 
 

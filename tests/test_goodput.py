@@ -12,7 +12,8 @@ import time
 import pytest
 from conftest import REPO, job_env, wait_until_gone, write_script
 
-from jdp.launch import _goodput, _progress, _watchdog
+from jdp.job import progress as _progress, watchdog as _watchdog
+from jdp.launch import _goodput
 
 # A 2-rank job of real train steps over a Loader; rank 1 sleeps SLEEP s before every step;
 # with EVERY=k both ranks save a checkpoint every k steps and print the seconds saving took.
@@ -169,7 +170,7 @@ def test_stack_dumps_read_as_tracebacks_without_the_launcher(tmp_path):
             f'  File "{script}", line 4 in wait\n'
             f'  File "{script}", line 5 in <module>\n'
             f'  File "<frozen runpy>", line 88 in _run_code\n'
-            f'  File "{_watchdog._LAUNCHER_DIR}/_run.py", line 200 in main\n')
+            f'  File "{_watchdog.LAUNCHER_DIRS[0]}/run.py", line 200 in main\n')
     assert _watchdog.readable(dump).splitlines() == [
         "Current thread 0x1 (most recent call last):",
         f'  File "{script}", line 5, in <module>',

@@ -60,7 +60,9 @@ def imported_modules(path: pathlib.Path) -> set:
     return names
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "launch").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*(PACKAGE / "launch").glob("*.py"),
+                                         *(PACKAGE / "job").glob("*.py")]),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_the_launcher_imports_nothing_numeric(path):
     """The launcher supervises ranks; it must start fast and never hold an accelerator."""
     assert imported_modules(path) & NUMERIC == set()
@@ -75,5 +77,5 @@ def test_no_module_patches_the_import_system():
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if "sys.path" in line or "sys.modules[" in line]
     assert len(offenders) == 1, offenders
-    assert offenders[0].startswith("jdp/launch/_run.py:") and "sys.path[0] = os.getcwd() if " \
+    assert offenders[0].startswith("jdp/job/run.py:") and "sys.path[0] = os.getcwd() if " \
         "module else os.path.dirname(os.path.abspath(argv[0]))" in offenders[0], offenders

@@ -287,7 +287,8 @@ def test_help_documents_every_option_and_variable():
 
 
 def test_children_get_the_allocator_settings_unless_turned_off():
-    from jdp.launch import _malloc, _supervisor
+    from jdp.job import malloc as _malloc
+    from jdp.launch import _supervisor
 
     def env_of(base):
         return _supervisor.rank_env(base, rank=0, local_rank=0, world_size=1,
@@ -335,23 +336,25 @@ def _module_level_imports(tree):
 
 
 def test_the_launcher_imports_the_standard_library_only():
-    """No module of jdp/launch loads JAX, numpy or any other package: the launcher process
-    stays light, and the runner (_run.py, run by path before the user's script) imports no
-    jdp module at all."""
+    """No module of jdp/launch or of the job's contract (jdp/job) loads JAX, numpy or any other
+    package: the launcher process stays light; jdp/job imports nothing of jdp but itself, and
+    the runner (run.py, run by path before the user's script) imports no jdp module at all."""
     import ast
     import pathlib
     import sys
-    folder = pathlib.Path(jdp.launch.__file__).parent
-    for path in sorted(folder.glob("*.py")):
+    job = pathlib.Path(jdp.launch.__file__).parent.parent / "job"
+    for path in sorted([*pathlib.Path(jdp.launch.__file__).parent.glob("*.py"),
+                        *job.glob("*.py")]):
+        floors = ("jdp.job",) if path.parent == job else ("jdp.job", "jdp.launch")
         for name in _module_level_imports(ast.parse(path.read_text())):
             top = name.split(".")[0]
-            allowed = top in sys.stdlib_module_names or (
-                path.name != "_run.py" and (name == "jdp.launch" or name.startswith("jdp.launch.")))
-            assert allowed, f"{path.name} imports {name}"
+            allowed = top in sys.stdlib_module_names or (path.name != "run.py" and any(
+                name == floor or name.startswith(floor + ".") for floor in floors))
+            assert allowed, f"{path.parent.name}/{path.name} imports {name}"
 
 
 def test_each_way_a_round_ends_has_one_exit_status():
-    from jdp.launch._outcome import Outcome, RankExit, Stall, State, Stop, exit_status
+    from jdp.job.outcome import Outcome, RankExit, Stall, State, Stop, exit_status
     assert exit_status(Outcome(State.SUCCEEDED)) == 0
     assert exit_status(Outcome(State.FAILED, 1.0, RankExit(1, 3, ()))) == 3
     assert exit_status(Outcome(State.FAILED, 1.0, RankExit(1, -signal.SIGKILL, ()))) == 137
@@ -362,7 +365,7 @@ def test_each_way_a_round_ends_has_one_exit_status():
 def test_rounds_restart_after_a_failure_and_report_it_once(capsys):
     """The round protocol without processes: round 0 fails, round 1 (the restart) succeeds."""
     from jdp.launch import _rounds
-    from jdp.launch._outcome import Job, Outcome, RankExit, State
+    from jdp.job.outcome import Job, Outcome, RankExit, State
     rounds = []
 
     def run_round(r, stop):
@@ -380,7 +383,7 @@ def test_rounds_restart_after_a_failure_and_report_it_once(capsys):
 
 def test_without_restarts_left_the_job_exits_with_the_failed_rank_s_status(capsys):
     from jdp.launch import _rounds
-    from jdp.launch._outcome import Job, Outcome, RankExit, State
+    from jdp.job.outcome import Job, Outcome, RankExit, State
 
     def run_round(r, stop):
         return Outcome(State.FAILED, 0.1, RankExit(0, -signal.SIGKILL, ()))

@@ -253,7 +253,7 @@ def test_a_launched_script_without_initialize_fails_on_its_first_jdp_call(tmp_pa
 def launched(monkeypatch):
     """This process looks like one rank of a launched job that never called jdp.initialize()."""
     from jdp.distributed import _group
-    from jdp.launch._env import RANK_VARS
+    from jdp.job.env import RANK_VARS
     for name in (*RANK_VARS, "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID",
                  "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
                  "JDP_CLUSTER_DETECTION"):

@@ -39,7 +39,7 @@ from jdp.checkpoint import _tree as tree
 from jdp.checkpoint._integrity import CorruptCheckpointError, Damaged
 from jdp.core import _checks
 from jdp.distributed import _group, barrier
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
 

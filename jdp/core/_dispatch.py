@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jdp.core import _checks
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 
 
 def make_step(body: Callable, check: Callable, transform: Callable, place_stop: Callable, *,

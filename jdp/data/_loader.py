@@ -33,7 +33,7 @@ from jdp.core import _mesh
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
 from jdp.distributed import _group
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 
 LAYOUTS = ("global", "pmap")
 

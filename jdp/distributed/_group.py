@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jdp.distributed import _init
-from jdp.launch import _env
+from jdp.job import env as _env
 
 _job_checked = False   # require_job passed once: later calls cost one global read
 _rounds: dict[str, int] = {}   # per topic: how many agreement rounds this process began

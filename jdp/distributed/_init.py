@@ -23,7 +23,7 @@ import jax
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
 from jdp.distributed import _rendezvous, _watch
-from jdp.launch import _env, _malloc, _net, _run
+from jdp.job import env as _env, malloc as _malloc, net as _net, run as _run
 
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
 # a rank that finishes waits there for the others, and JAX aborts *every* process when it runs
@@ -66,7 +66,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
     Calling it again is a no-op; calling it again with a different job raises RuntimeError.
     It also tunes glibc's allocator so XLA:CPU reuses its per-step scratch memory (~1.7x on a
-    CPU step, same results; `JDP_MALLOC_TUNING=0` turns it off; see `jdp.launch._malloc`).
+    CPU step, same results; `JDP_MALLOC_TUNING=0` turns it off; see `jdp.job.malloc`).
     Every process first reports to process 0 on the coordinator port (`_rendezvous`), so a
     missing process is named in a TimeoutError instead of JAX aborting process 0. On a
     multi-process job an uncaught exception (code 1) or `sys.exit(n)` (code n) ends the
@@ -102,7 +102,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         1
     """
     env = os.environ
-    _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp.launch._malloc
+    _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp.job.malloc
     timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
                 zip(_TIMEOUT_ENV, (initialization_timeout, heartbeat_timeout, shutdown_timeout),
                     strict=True)}

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from jdp.launch import _env
+from jdp.job import env as _env
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

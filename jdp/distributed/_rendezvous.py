@@ -3,7 +3,7 @@
 When some process never shows up, `jax.distributed.initialize` ends process 0 with SIGABRT and
 a C++ stack dump after its timeout, naming nobody. So every process first reports to process 0
 on the coordinator port itself, before JAX's coordinator listens there, in jdp's own wire
-format (`jdp.launch._net`: {"rank": k}, answered by {"go": true} once all have reported);
+format (`jdp.job.net`: {"rank": k}, answered by {"go": true} once all have reported);
 process 0 raises TimeoutError naming the processes that did not. The port is then handed to
 JAX's coordinator (whose clients retry until it listens).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from jdp.launch import _net
+from jdp.job import net as _net
 
 _HELLO_S = 2.0          # how long a connection may take to say which process it is
 

@@ -20,7 +20,8 @@ import sys
 import threading
 import time
 
-from jdp.launch import _outcome, _progress, _run, _watchdog
+from jdp.job import outcome as _outcome, progress as _progress, run as _run
+from jdp.job import watchdog as _watchdog
 
 KEY = "jdp/watch/"
 EVERY_S = 0.5

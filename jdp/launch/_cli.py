@@ -12,8 +12,9 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from jdp.launch import _env, _goodput, _net, _rounds, _supervisor
-from jdp.launch._outcome import Job, Outcome
+from jdp.job import env as _env, net as _net
+from jdp.job.outcome import Job, Outcome
+from jdp.launch import _goodput, _rounds, _supervisor
 
 WHO = "jdp.launch"
 

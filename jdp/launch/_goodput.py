@@ -28,7 +28,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from jdp.launch import _progress
+from jdp.job import progress as _progress
 
 STRAGGLER_FRACTION = 0.2   # median lag / median step time that names a straggler
 MIN_LAG_S = 0.01           # and by at least this much: below, it is scheduling noise

@@ -42,8 +42,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from jdp.launch import _net
-from jdp.launch._outcome import Job, Outcome, State, exit_status, report, round_line
+from jdp.job import net as _net
+from jdp.job.outcome import Job, Outcome, State, exit_status, report, round_line
 
 BACKOFF_S = 1.0
 JOIN_TIMEOUT_S = 300.0

@@ -17,8 +17,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jdp.launch import _env, _goodput, _net, _supervisor
-from jdp.launch._outcome import Job, Outcome, State, report
+from jdp.job import env as _env, net as _net, run as _run
+from jdp.job.outcome import Job, Outcome, State, report
+from jdp.launch import _goodput, _supervisor
 
 WHO = "jdp.spawn"
 
@@ -97,7 +98,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
             # multiprocessing's recipe, so `fn` may live in the main script; the authkey as
             # plain bytes: multiprocessing refuses to pickle its wrapper outside its start-up.
             preparation = multiprocessing.spawn.get_preparation_data(WHO)
-            pickle.dump({**preparation, "authkey": bytes(preparation["authkey"])}, f)
+            pickle.dump({**preparation, "authkey": bytes(preparation["authkey"]),
+                         _run.SPAWN_ENTRY: f"{__name__}:{run_rank.__name__}"}, f)
             f.write(_pickled(fn, args))
         cmd = [sys.executable, "-u", _supervisor.RUNNER, "--spawn", payload]
         port = _net.free_port()

@@ -24,10 +24,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from jdp.launch import _env, _goodput, _malloc, _progress, _watchdog
-from jdp.launch._outcome import Outcome, RankExit, Stall, State, Stop
+from jdp.job import env as _env, malloc as _malloc, progress as _progress, run as _run
+from jdp.job import watchdog as _watchdog
+from jdp.job.outcome import Outcome, RankExit, Stall, State, Stop
+from jdp.launch import _goodput
 
-RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")  # run by path
+RUNNER = os.path.abspath(_run.__file__)  # run by path
 GRACE_S = 3.0        # SIGTERM -> SIGKILL after a failure; keeps "all gone" well under 5 s
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL after a stop request: time to save a checkpoint
 POLL_S = 0.05        # how often the loop looks at signals and deadlines

@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 
-from jdp.launch import _env
+from jdp.job import env as _env
 
 PHASES = ("start", "step", "data", "eval", "checkpoint", "other", "done")
 COMPILE = len(PHASES)            # the accumulator of a jitted step's first call (compilation)

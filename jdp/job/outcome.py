@@ -10,7 +10,7 @@ import enum
 import signal
 from typing import NamedTuple
 
-from jdp.launch import _watchdog
+from jdp.job import watchdog as _watchdog
 
 EXIT_STALLED = 124   # the progress watchdog stopped the job (as coreutils' `timeout`)
 _STACK_LINES = 40    # lines of one rank's stack dump in a report

@@ -21,13 +21,13 @@ import time
 import traceback
 from typing import NamedTuple
 
-from jdp.launch import _progress
+from jdp.job import progress as _progress
+from jdp.job.run import LAUNCHER_DIRS
 
 READ_EVERY_S = 0.5
 STACK_WAIT_S = 3.0        # for faulthandler's dump to finish
 MAX_STACKS = 4            # stuck ranks whose stacks are shown in full
 FINISHED_WAIT_S = 2.0     # a finished rank and a peer in a later step, unmoved this long
-_LAUNCHER_DIR = os.path.dirname(os.path.abspath(__file__))
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
 
 
@@ -137,7 +137,7 @@ def _frame_lines(frames: list) -> list:
 
 def _launcher_frame(filename: str) -> bool:
     return (filename == "<frozen runpy>" or filename.endswith(os.sep + "runpy.py")
-            or os.path.dirname(os.path.abspath(filename)) == _LAUNCHER_DIR)
+            or os.path.dirname(os.path.abspath(filename)) in LAUNCHER_DIRS)
 
 
 def describe(progress: list) -> str:

@@ -1,12 +1,12 @@
 """The environment variables a jdp job is run with: one home for their names.
 
 The launcher and `jdp.spawn` set them for each rank; `jdp.initialize` and the progress
-recorder read them. The rank-side runner (`_run.py`, run by path, importing no sibling) owns
+recorder read them. The rank-side runner (`run.py`, run by path, importing no sibling) owns
 the four it reads itself; they are re-exported here.
 """
 from __future__ import annotations
 
-from jdp.launch._run import ERROR_FILE, SPAWN_BOOTSTRAP, STACK_FILE, SUPERVISOR_PID
+from jdp.job.run import ERROR_FILE, SPAWN_BOOTSTRAP, STACK_FILE, SUPERVISOR_PID
 
 # The variables that place a rank in its job, in the order rank_env fills them.
 RANK = "RANK"

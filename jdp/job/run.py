@@ -1,9 +1,9 @@
 """The rank side: run one rank's code, and make a failing rank leave at once with its own code.
 
-The supervisor starts each Python rank as ``python -u /path/to/jdp/launch/_run.py script.py
-args...`` (``... _run.py -m module args...``; ``... _run.py --exec program args...`` for
---no_python; ``... _run.py --spawn payload`` for `jdp.spawn`). It is run by path, not as
-``-m jdp.launch._run``, so that nothing (JAX above all) is imported before the user's script,
+The supervisor starts each Python rank as ``python -u /path/to/jdp/job/run.py script.py
+args...`` (``... run.py -m module args...``; ``... run.py --exec program args...`` for
+--no_python; ``... run.py --spawn payload`` for `jdp.spawn`). It is run by path, not as
+``-m jdp.job.run``, so that nothing (JAX above all) is imported before the user's script,
 which may set JAX_PLATFORMS or XLA_FLAGS itself. So this file imports the standard library only
 and no sibling module: it holds the names of the variables it reads, and the exit functions
 that `jdp.initialize()` also installs for jobs started by mpirun or srun.
@@ -29,13 +29,17 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-# Between a supervisor and its ranks (jdp.launch._env re-exports them).
+# Between a supervisor and its ranks (jdp.job.env re-exports them).
 SUPERVISOR_PID = "JDP_SUPERVISOR_PID"     # the rank dies with this process (Linux)
 ERROR_FILE = "JDP_ERROR_FILE"             # a failing rank writes its traceback here
 SPAWN_BOOTSTRAP = "JDP_SPAWN_BOOTSTRAP"   # set while a jdp.spawn rank imports the parent's main
 STACK_FILE = "JDP_STACK_FILE"             # where the rank dumps its Python stacks on SIGUSR1
+SPAWN_ENTRY = "jdp_entry"   # the payload's "module:function" a jdp.spawn rank runs (its launcher's)
 
 LOST_PEER_DELAY_S = 1.0
+_HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCHER_DIRS = (_HERE, os.path.join(os.path.dirname(_HERE), "launch"))
+"""Where the frames a traceback leaves out live: this runner's (jdp/job) and jdp.spawn's."""
 _LOST_PEER = re.compile(r"gloo|nccl|connection (closed|reset) by peer|coordination service",
                         re.IGNORECASE)
 _stack_file = None   # kept open: faulthandler writes to its descriptor
@@ -84,11 +88,10 @@ def leave_with(code: int) -> None:
 def _user_frames(tb):
     """`tb` without its leading frames in the launcher (this runner, jdp.spawn's rank) and
     runpy, as `python script.py` shows it."""
-    here = os.path.dirname(os.path.abspath(__file__))
     while tb is not None and tb.tb_next is not None:
         name = tb.tb_frame.f_code.co_filename
         if not (name == "<frozen runpy>" or name.endswith(os.sep + "runpy.py")
-                or os.path.dirname(os.path.abspath(name)) == here):
+                or os.path.dirname(os.path.abspath(name)) in LAUNCHER_DIRS):
             break
         tb = tb.tb_next
     return tb
@@ -185,23 +188,25 @@ def stacks_on_sigusr1() -> None:
 
 def _run_spawned(payload: str) -> None:
     """A `jdp.spawn` rank: the parent's import path and __main__ (multiprocessing's recipe), then
-    `jdp.launch._spawn.run_rank`. While the parent's main is imported, JDP_SPAWN_BOOTSTRAP is
+    the entry the payload names (`jdp.launch._spawn.run_rank`). While the parent's main is imported, JDP_SPAWN_BOOTSTRAP is
     set, so a `jdp.spawn` call at its top level fails clearly."""
+    import importlib
     import multiprocessing.spawn
     with open(payload, "rb") as f:
         preparation = pickle.load(f)
     os.environ[SPAWN_BOOTSTRAP] = "1"
     multiprocessing.spawn.prepare(preparation)
     del os.environ[SPAWN_BOOTSTRAP]
-    from jdp.launch._spawn import run_rank  # importable now: the parent's import path is ours
-    run_rank(payload)
+    # importable now (the parent's import path is ours); named by the launcher, which sits above
+    module, _, name = preparation[SPAWN_ENTRY].partition(":")
+    getattr(importlib.import_module(module), name)(payload)
 
 
 def main(argv: list) -> None:
     """Run what `argv` names: `--spawn PAYLOAD`, `--exec PROGRAM`, `-m MODULE` or `SCRIPT`."""
     die_with_supervisor()
     if not argv or argv[0] in ("--exec", "--spawn", "-m") and len(argv) < 2:
-        sys.exit("usage: _run.py [--spawn PAYLOAD | --exec PROGRAM | -m MODULE | SCRIPT] [ARGS]")
+        sys.exit("usage: run.py [--spawn PAYLOAD | --exec PROGRAM | -m MODULE | SCRIPT] [ARGS]")
     if argv[0] == "--exec":
         os.execvp(argv[1], argv[1:])
     stacks_on_sigusr1()

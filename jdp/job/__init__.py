@@ -1,0 +1,21 @@
+"""The job's contract: what a launcher and its ranks agree on. Standard library only.
+
+jdp's bottom floor. The launcher (`jdp.launch`, `jdp.spawn`) and the ranks' side
+(`jdp.initialize`, the train step, the Loader, the Checkpointer) both import it, and it imports
+neither, so the launcher sits on top of the library instead of under it:
+
+- `env`: the names of the environment variables a rank is started with;
+- `progress`: each rank's progress slot and the preemption flag (`preempted`);
+- `watchdog`: the judgment of who is behind when a job stops moving, and stack dumps as
+  tracebacks;
+- `outcome`: how a round of ranks ended (one tagged type), its exit status and its one report;
+- `net`: port checks and the wire format (JSON lines over TCP);
+- `run`: the rank-side runner (run by path) and the prompt exits a failing rank leaves by;
+- `malloc`: the allocator settings a launcher puts in a rank's environment and a rank applies.
+"""
+from jdp.job import env, malloc, net, outcome, progress, run, watchdog
+from jdp.job.outcome import EXIT_STALLED
+from jdp.job.progress import preempted
+
+__all__ = ["EXIT_STALLED", "env", "malloc", "net", "outcome", "preempted", "progress", "run",
+           "watchdog"]
