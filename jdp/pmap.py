@@ -4,8 +4,9 @@ Every leaf of a stacked state carries one copy per local device; batches are
 `[local_devices, per_device, ...]`; metrics come back stacked (`unreplicate` takes device 0's
 copy). The step maps the same per-device function as the global core (`jdp.train_step`), with
 the same options except ZeRO, so both train identically. This module is the one place in jdp
-that knows the stacked layout: `to_global` and `like` let layout-blind code (the Checkpointer)
-take a stacked tree.
+that knows the stacked layout; it registers it with `jdp.core.layouts` when imported, and so
+layout-blind code (`jdp.shard(rows, layout="pmap")`, the Loader, the Checkpointer) finds
+`place_rows`, `to_global` and `like` there without importing this module.
 
 Example:
     >>> import jdp, optax
@@ -30,9 +31,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jdp.core import _checks, _dispatch, _mesh, _state, _step
-from jdp.core._mesh import AXIS
-from jdp.distributed import _group
+from jdp.core import (
+    AXIS,
+    batch_leaves,
+    bool_options,
+    device_eval_step,
+    device_train_step,
+    divisible_rows,
+    layouts,
+    leaf_name,
+    make_step,
+    one_size,
+    place,
+    replicated,
+    stop_values,
+    train_options,
+    trainable,
+)
+from jdp.core import mesh as global_mesh
+from jdp.distributed import broadcast_for
 
 LOCAL_AXIS = "local_devices"
 """Axis name of the stacked placement: on one process a stacked `[8, b]` array and a global
@@ -63,7 +80,7 @@ def replicate(tree: Any) -> Any:
                          "jdp.pmap.unreplicate(tree) first")
     sharding = local_sharding()
     n = len(sharding.device_set)
-    host = _group.broadcast(tree, "jdp.pmap.replicate")
+    host = broadcast_for(tree, "jdp.pmap.replicate")
     return jax.tree.map(
         lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))), sharding), host)
 
@@ -87,7 +104,7 @@ def unreplicate(tree: Any) -> Any:
             return x
         if np.ndim(x) == 0 or np.shape(x)[0] != n:
             raise ValueError(
-                f"jdp.unreplicate: leaf {_checks.name(path)} has shape {np.shape(x)}, not a "
+                f"jdp.unreplicate: leaf {leaf_name(path)} has shape {np.shape(x)}, not a "
                 f"leading axis of {n} local devices: it is not replicated. Pass what "
                 "jdp.pmap.replicate or a pmap step returned, or use the value as is")
         if isinstance(x, jax.Array):
@@ -106,7 +123,7 @@ def shard(rows: Any) -> Any:
         >>> jdp.pmap.shard({"x": np.zeros((2 * n, 3))})["x"].shape == (n, 2, 3)
         True
     """
-    return place_rows(_state.divisible_rows(rows, "jdp.pmap.shard"))
+    return place_rows(divisible_rows(rows, "jdp.pmap.shard"))
 
 
 def place_rows(rows: Any, devices: Sequence[jax.Device] | None = None) -> Any:
@@ -129,41 +146,41 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     mean what they mean for `jdp.train_step`; `model_state_sync=None` leaves each device its
     own model state.
     """
-    _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
-    _checks.bool_options(has_aux=has_aux, donate=donate)
+    train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
+    bool_options(has_aux=has_aux, donate=donate)
     body = functools.partial(
-        _step.device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
+        device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
     transform = functools.partial(jax.pmap, axis_name=AXIS,
                                   donate_argnums=(0,) if donate else ())
     check = functools.partial(_check, accum_steps=accum_steps, train=True)
-    return _dispatch.make_step(body, check, transform, _place_stop, max_in_flight=max_in_flight,
+    return make_step(body, check, transform, _place_stop, max_in_flight=max_in_flight,
                                train=True, donate=donate)
 
 
 def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
     """`jdp.eval_step` in the pmap form: totals come back stacked (every copy the same)."""
-    _checks.train_options("mean", 1, "mean", max_in_flight)
-    body = functools.partial(_step.device_eval_step, metric_fn=metric_fn)
-    return _dispatch.make_step(body, functools.partial(_check, accum_steps=1),
+    train_options("mean", 1, "mean", max_in_flight)
+    body = functools.partial(device_eval_step, metric_fn=metric_fn)
+    return make_step(body, functools.partial(_check, accum_steps=1),
                                functools.partial(jax.pmap, axis_name=AXIS), _place_stop,
                                max_in_flight=max_in_flight, train=False)
 
 
 def _place_stop(flag: bool) -> jax.Array:
-    return place_rows(_dispatch.stop_values(flag, jax.local_device_count()))
+    return place_rows(stop_values(flag, jax.local_device_count()))
 
 
 def _check(state: Any, batch: Any, *, accum_steps: int, train: bool = False) -> None:
     """A stacked state (one copy per local device) and batches `[n, per_device, ...]`."""
     if train:
-        _checks.trainable(getattr(state, "params", None))
+        trainable(getattr(state, "params", None))
     n = jax.local_device_count()
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not isinstance(x, jax.Array) or not x.ndim or x.shape[0] != n or (
                 n > 1 and len(x.sharding.device_set) == 1):
             raise ValueError(
-                f"state leaf {_checks.name(path)} is {_where(x)}: jdp.pmap steps take one copy "
+                f"state leaf {leaf_name(path)} is {_where(x)}: jdp.pmap steps take one copy "
                 f"per local device (leading axis {n}); pass the state through "
                 "jdp.pmap.replicate(state) first (a state from jdp.broadcast goes with "
                 "jdp.train_step)")
@@ -171,15 +188,15 @@ def _check(state: Any, batch: Any, *, accum_steps: int, train: bool = False) -> 
 
 
 def _check_batch(batch: Any, n: int, accum_steps: int) -> None:
-    leaves = _checks.batch_leaves(batch)
+    leaves = batch_leaves(batch)
     for path, x in leaves:
         if len(jnp.shape(x)) < 2 or jnp.shape(x)[0] != n:
             raise ValueError(
-                f"batch leaf {_checks.name(path)} has shape {jnp.shape(x)}: expected [{n}, "
+                f"batch leaf {leaf_name(path)} has shape {jnp.shape(x)}: expected [{n}, "
                 f"per_device_batch, ...] with a leading axis of {n} local devices; split it "
                 "with jdp.pmap.shard(rows) or feed it through jdp.data.Loader(..., "
                 "layout='pmap')")
-    if _checks.one_size(leaves, 1, " per device") % accum_steps:
+    if one_size(leaves, 1, " per device") % accum_steps:
         raise ValueError(f"per-device batch {jnp.shape(leaves[0][1])[1]} is not divisible by "
                          f"accum_steps={accum_steps}: pick a batch size that is a multiple of "
                          f"{accum_steps} x {n} devices")
@@ -199,7 +216,7 @@ def _stacked_leaf(x: jax.Array) -> bool:
         return False
     n = jax.local_device_count()
     return spec[0] == LOCAL_AXIS or (x.shape[0] == n and x.sharding.mesh.size == n and (
-        jax.process_count() == 1 or x.sharding.mesh != _mesh.mesh()))
+        jax.process_count() == 1 or x.sharding.mesh != global_mesh()))
 
 
 def is_stacked(tree: Any) -> bool:
@@ -215,9 +232,15 @@ def to_global(tree: Any) -> Any:
     if not is_stacked(tree):
         return tree
     one = jax.device_get(unreplicate(tree))
-    return jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), one)
+    return jax.tree.map(lambda x: place(x, replicated()), one)
 
 
 def like(template: Any, tree: Any) -> Any:
     """`tree` in `template`'s form: stacked if the template is, else unchanged."""
     return replicate(jax.device_get(tree)) if is_stacked(template) else tree
+
+
+layouts.register(layouts.Layout(
+    name="pmap", holds=is_stacked, shard=shard, place_rows=place_rows, to_global=to_global,
+    like=like, made_by="jdp.replicate", undone_by="jdp.pmap.unreplicate",
+    step="jdp.pmap.train_step"))

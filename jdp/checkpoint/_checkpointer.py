@@ -1,7 +1,7 @@
 """Save and restore a train state, with the data loader's position, through orbax.
 
 * One logical copy: each shard of a global state is written once, by the process holding it;
-  a stacked state is saved as one copy (`jdp.pmap.to_global`). A restore places the values
+  a stacked state is saved as one copy (`jdp.core.layouts.to_global`). A restore places the values
   like the `state` it is given, in either form, on any device or process count.
 * Atomic: orbax writes `<step>.orbax-checkpoint-tmp-*/` and renames it to `<step>/` when done;
   old steps leave by a rename too, so a reader never sees half of one. Only `save` (on process
@@ -33,12 +33,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdp import pmap
 from jdp.checkpoint import _integrity, _owner
 from jdp.checkpoint import _tree as tree
 from jdp.checkpoint._integrity import CorruptCheckpointError, Damaged
-from jdp.core import _checks
-from jdp.distributed import _group, barrier
+from jdp.core import layouts, not_donated
+from jdp.distributed import agree, barrier, require_job
 from jdp.job import progress as _progress
 
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
@@ -77,7 +76,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
                  timeout_s: float = 300.0, async_save: bool = False):
-        _group.require_job("jdp.checkpoint.Checkpointer")
+        require_job("jdp.checkpoint.Checkpointer")
         if max_to_keep is not None and (isinstance(max_to_keep, bool)
                                         or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an integer >= 1, or None "
@@ -132,13 +131,13 @@ class Checkpointer:
         _progress.record("checkpoint")
         self._wait()
         step = _as_step(step)
-        _checks.not_donated(state)
-        found = tree.leaves(pmap.to_global(state), "Checkpointer.save")
+        not_donated(state)
+        found = tree.leaves(layouts.to_global(state), "Checkpointer.save")
         position = _loader_position(loader)
         self._agree("save", step)
-        _group.agree("checkpoint-save", [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
-                                         for leaf in found], "Checkpointer.save",
-                     "every process must save the same state", self.timeout_s)
+        agree("checkpoint-save", [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
+                                  for leaf in found], "Checkpointer.save",
+              "every process must save the same state", self.timeout_s)
         latest = ([s for s in self.all_steps() if s not in self._damaged] or [None])[-1]
         if latest is not None and step <= latest:
             raise ValueError(
@@ -204,7 +203,7 @@ class Checkpointer:
         """
         _progress.record("checkpoint")
         self._wait()
-        target = pmap.to_global(state)
+        target = layouts.to_global(state)
         found = tree.leaves(target, "Checkpointer.restore")
         if loader is not None and not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
@@ -220,7 +219,7 @@ class Checkpointer:
             return state
         if loader is not None:
             loader.load_state_dict(position)
-        return pmap.like(state, tree.rebuild(target, values))
+        return layouts.like(state, tree.rebuild(target, values))
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when nothing has been saved."""

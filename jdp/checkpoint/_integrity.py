@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from jdp.core._mesh import AXIS, mesh, replicated
+from jdp.core import AXIS, mesh, replicated
 
 FORMAT = 2
 RECORD_FILE = "integrity/metadata"  # process 0's record; process i adds metadata.process_i

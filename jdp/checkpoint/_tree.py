@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jdp.core import _zero
+from jdp.core import is_sharded, logical_opt_state
 
 
 class Leaf(NamedTuple):
@@ -63,8 +63,8 @@ def _array(x: Any, path: Any, where: str) -> jax.Array | np.ndarray:
 def _flat(state: Any) -> list:
     """(path, array) pairs in `jax.tree.leaves` order; an FSDP parameter (`Sharded`) is named
     by its parameter's path, so every layout of a state has the same names."""
-    return [(p, x.value if _zero.is_sharded(x) else x) for p, x in
-            jax.tree_util.tree_flatten_with_path(state, is_leaf=_zero.is_sharded)[0]]
+    return [(p, x.value if is_sharded(x) else x) for p, x in
+            jax.tree_util.tree_flatten_with_path(state, is_leaf=is_sharded)[0]]
 
 
 def _keys(path: Any) -> tuple[str, ...]:
@@ -76,12 +76,12 @@ def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...
     """{keys: logical shape} of leaves stored padded on their leading axis: ZeRO's optimizer
     state (`tx.init(params)`'s shapes) and FSDP's parameters (`Sharded`)."""
     try:
-        opt_state, logical = state.opt_state, _zero.logical_opt_state(state)
+        opt_state, logical = state.opt_state, logical_opt_state(state)
     except Exception:  # noqa: BLE001 - not an optax train state we understand: no padding
         return {}
     out = {_keys((jax.tree_util.GetAttrKey("params"), *path)): (x.rows, *x.value.shape[1:])
            for path, x in jax.tree_util.tree_flatten_with_path(
-               state.params, is_leaf=_zero.is_sharded)[0] if _zero.is_sharded(x)}
+               state.params, is_leaf=is_sharded)[0] if is_sharded(x)}
     if jax.tree.structure(logical) != jax.tree.structure(opt_state):
         return out
     stored = jax.tree_util.tree_flatten_with_path(opt_state)[0]

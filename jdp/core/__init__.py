@@ -8,5 +8,29 @@ from jdp.core._mesh import AXIS, mesh
 from jdp.core._state import TrainState, broadcast, shard, unshard
 from jdp.core._step import eval_step, reduce_gradients, train_step
 
+# For jdp's other packages, not re-exported by jdp: the layouts interface an adapter plugs into
+# (`layouts`), and what the pmap form, the Loader and the Checkpointer build on: the per-device
+# step functions, the step's dispatch, option and leaf checks, placement, ZeRO's records.
+from jdp.core import layouts
+from jdp.core._checks import (
+    batch_leaves,
+    bool_options,
+    not_donated,
+    one_size,
+    train_options,
+    trainable,
+)
+from jdp.core._checks import name as leaf_name
+from jdp.core._dispatch import make_step, stop_values
+from jdp.core._mesh import batch_sharded, place, replicated
+from jdp.core._state import divisible_rows
+from jdp.core._step import device_eval_step, device_train_step
+from jdp.core._zero import is_sharded, logical_opt_state
+
 __all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "mesh", "reduce_gradients", "shard",
-           "train_step", "unshard"]
+           "train_step", "unshard",
+           # for jdp's other packages
+           "batch_leaves", "batch_sharded", "bool_options", "device_eval_step",
+           "device_train_step", "divisible_rows", "is_sharded", "layouts", "leaf_name",
+           "logical_opt_state", "make_step", "not_donated", "one_size", "place", "replicated",
+           "stop_values", "train_options", "trainable"]

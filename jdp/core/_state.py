@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _mesh, _zero
-from jdp.distributed import _group
+from jdp.core import _mesh, _zero, layouts
+from jdp.distributed import broadcast_for, require_job
 
 
 class TrainState(train_state.TrainState):
@@ -74,12 +74,12 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
         >>> state["w"].sharding.is_fully_replicated, state["w"].shape
         (True, (3,))
     """
-    from jdp import pmap  # the one question about the other form; jdp.pmap imports this module
-    if pmap.is_stacked(tree):
-        raise ValueError("jdp.broadcast: the state is in the pmap form (jdp.replicate): pass "
-                         "jdp.pmap.unreplicate(state), or keep the pmap form and use "
-                         "jdp.pmap.train_step")
-    host = _group.broadcast(tree, "jdp.broadcast")
+    other = layouts.of(tree)
+    if other is not None:
+        raise ValueError(f"jdp.broadcast: the state is in the {other.name} form "
+                         f"({other.made_by}): pass {other.undone_by}(state), or keep the "
+                         f"{other.name} form and use {other.step}")
+    host = broadcast_for(tree, "jdp.broadcast")
     placed = jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), host)
     if not (shard_optimizer or shard_params):
         return placed
@@ -110,13 +110,19 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
         >>> batch["x"].shape == (2 * n * jax.process_count(), 3)
         True
     """
-    if layout == "pmap":
-        from jdp import pmap  # the classic form's alias; jdp.pmap imports this module
-        return pmap.shard(rows)
-    if layout != "global":
-        raise ValueError(f"jdp.shard: layout={layout!r}; expected 'global' (default) or 'pmap'")
-    _group.require_job("jdp.shard")
+    if layout != layouts.GLOBAL:
+        return _adapter(layout).shard(rows)
+    require_job("jdp.shard")
     return _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
+
+
+def _adapter(layout: Any) -> layouts.Layout:
+    """The registered layout called `layout` (one an adapter such as jdp.pmap plugged in)."""
+    try:
+        return layouts.named(layout)
+    except ValueError:
+        raise ValueError(f"jdp.shard: layout={layout!r}; expected 'global' (default) or "
+                         f"{' or '.join(map(repr, layouts.names()[1:]))}") from None
 
 
 def divisible_rows(rows: Any, who: str) -> Any:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdp.core import _checks, _dispatch, _grads, _mesh, _zero
 from jdp.core._mesh import AXIS
-from jdp.distributed import _group
+from jdp.distributed import require_job
 
 
 def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
@@ -184,7 +184,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         shard_optimizer=shard_optimizer, shard_params=shard_params, compute_dtype=compute_dtype)
 
     def check(state, batch):
-        _group.require_job("jdp.train_step")
+        require_job("jdp.train_step")
         _checks.placed_state(state, shard_optimizer, shard_params)
         _checks.global_batch(batch, accum_steps)
 
@@ -243,7 +243,7 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
                              out_specs=P())(state, batch, stop)
 
     def check(state, batch):
-        _group.require_job("jdp.eval_step")
+        require_job("jdp.eval_step")
         _checks.placed_state(state, shard_optimizer=None)
         _checks.global_batch(batch, 1)
 

@@ -28,14 +28,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp import pmap
-from jdp.core import _mesh
+from jdp.core import batch_sharded, layouts
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
-from jdp.distributed import _group
+from jdp.distributed import AGREE_TIMEOUT_S, agree, require_job
 from jdp.job import progress as _progress
-
-LAYOUTS = ("global", "pmap")
 
 
 class Loader:
@@ -97,7 +94,7 @@ class Loader:
                  transform: Callable[..., dict] | None = None, drop_last: bool = False,
                  prefetch: int = 2, devices: Sequence[jax.Device] | None = None,
                  timeout: float | None = 300.0, layout: str = "global", num_workers: int = 0):
-        _group.require_job("jdp.data.Loader")
+        require_job("jdp.data.Loader")
         num_examples, read = _sources.make_reader(source)
         self.sampler = _default_sampler(sampler, num_examples, shuffle, seed)
         self._place = _placement(layout, devices)  # the one place the layout is looked at
@@ -193,9 +190,9 @@ class Loader:
         if self._agreed or not 1 < jax.process_count() == self.sampler.num_replicas:
             return
         facts = [(k, repr(v)) for k, v in self.state_dict().items()] + [("layout", self.layout)]
-        _group.agree("loader", facts, "jdp.data.Loader", "build the Loader with the same dataset "
-                     "(len(source)), batch_size and sampler settings, and restore the same "
-                     "position, on every process", self.timeout or _group.AGREE_TIMEOUT_S)
+        agree("loader", facts, "jdp.data.Loader", "build the Loader with the same dataset "
+              "(len(source)), batch_size and sampler settings, and restore the same "
+              "position, on every process", self.timeout or AGREE_TIMEOUT_S)
         self._agreed = True
 
     def _host_batches(self, plan: _sources.EpochPlan, items: range) -> Callable[[int], dict]:
@@ -297,11 +294,12 @@ class Loader:
 
 def _placement(layout: Any, devices: Sequence[jax.Device] | None) -> Callable[[dict], dict]:
     """How a host batch goes on the devices: global arrays on `jdp.mesh()`, or the pmap form."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"Loader: layout={layout!r}; expected one of {LAYOUTS} ('global': "
-                         "[global_batch, ...] arrays, 'pmap': [local_devices, per_device, ...])")
-    if layout == "pmap":
-        return functools.partial(pmap.place_rows, devices=devices)
+    if not isinstance(layout, str) or layout not in layouts.names():
+        raise ValueError(f"Loader: layout={layout!r}; expected one of {layouts.names()} "
+                         "('global': [global_batch, ...] arrays, 'pmap': [local_devices, "
+                         "per_device, ...])")
+    if layout != layouts.GLOBAL:
+        return functools.partial(layouts.named(layout).place_rows, devices=devices)
     if devices is not None:
         raise ValueError("Loader: devices= was given with layout='global', whose batches are "
                          "split over jdp.mesh(); drop devices=, or pass layout='pmap' as well")
@@ -310,7 +308,7 @@ def _placement(layout: Any, devices: Sequence[jax.Device] | None) -> Callable[[d
 
 def _global_batch(host: dict) -> dict:
     """This process's rows as its part of global arrays split along `jdp.AXIS` (no host copy)."""
-    sharding = _mesh.batch_sharded()
+    sharding = batch_sharded()
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host)
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jdp.distributed import _group
+from jdp.distributed import require_job
 
 
 def _require_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> int:
@@ -57,7 +57,7 @@ class DistributedSampler:
                  drop_last: bool = False):
         owner = "DistributedSampler"
         if num_replicas is None or rank is None:
-            _group.require_job("jdp.data.DistributedSampler")
+            require_job("jdp.data.DistributedSampler")
         self.num_examples = _require_int(owner, "num_examples", num_examples, 1,
                                          "pass len(source) of a non-empty source")
         num_replicas = jax.process_count() if num_replicas is None else num_replicas
