@@ -12,7 +12,7 @@ gradients averaged by `lax.pmean`::
 
 The classic pmap form (stacked state, a real `jax.pmap`) is `jdp.pmap`.
 """
-from jdp import checkpoint, data, launch, metrics, pmap
+from jdp import checkpoint, data, launch, metrics, pmap, train_step  # train_step: a callable module
 from jdp.checkpoint import Checkpointer
 from jdp.core import (
     AXIS,
@@ -22,7 +22,6 @@ from jdp.core import (
     mesh,
     reduce_gradients,
     shard,
-    train_step,
     unshard,
 )
 from jdp.data import DistributedSampler, Loader
@@ -37,8 +36,8 @@ from jdp.distributed import (
     process_index,
     shutdown,
 )
-from jdp.launch import ProcessExitedException, ProcessRaisedException, spawn
 from jdp.job import preempted
+from jdp.launch import ProcessExitedException, ProcessRaisedException, spawn
 from jdp.pmap import replicate, unreplicate  # the classic form's top-level names
 
 __version__ = "0.1.0"

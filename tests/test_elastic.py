@@ -240,8 +240,8 @@ def node_thread(results, node, port, run_round, min_nodes=2, max_nodes=3, rdzv_t
     (a round with all three starts at once; one with two waits for it)."""
     import threading
 
-    from jdp.launch import _rounds
     from jdp.job.outcome import Job
+    from jdp.launch import _rounds
     job = Job("jdp.launch", max_nodes, max_nodes, node)
 
     def target():

@@ -13,7 +13,8 @@ import pytest
 from conftest import job_env, start_launcher, wait_until_gone, write_script
 
 import jdp
-from jdp.job import progress as _progress, watchdog as _watchdog
+from jdp.job import progress as _progress
+from jdp.job import watchdog as _watchdog
 
 STUCK = """
 import sys, time

@@ -12,7 +12,8 @@ import time
 import pytest
 from conftest import REPO, job_env, wait_until_gone, write_script
 
-from jdp.job import progress as _progress, watchdog as _watchdog
+from jdp.job import progress as _progress
+from jdp.job import watchdog as _watchdog
 from jdp.launch import _goodput
 
 # A 2-rank job of real train steps over a Loader; rank 1 sleeps SLEEP s before every step;

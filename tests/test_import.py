@@ -15,10 +15,61 @@ NUMERIC = {"jax", "jaxlib", "flax", "optax", "numpy"}
 
 def test_import_jdp_gives_the_core_step():
     code = ("import jdp, jdp.core; "
-            "assert jdp.train_step is jdp.core.train_step, jdp.train_step; print('ok')")
+            "assert jdp.train_step.__wrapped__ is jdp.core.train_step, jdp.train_step; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def one_sgd_step(x: np.ndarray, y: np.ndarray, lr: float) -> tuple:
+    """(loss, new w) of w = 0 after one SGD step on mean((x @ w - y)^2), in plain numpy."""
+    w = np.zeros((x.shape[1], 1))
+    grad = 2.0 / len(x) * x.T @ (x @ w - y)
+    return float(np.mean((x @ w - y) ** 2)), w - lr * grad
+
+
+TRAIN = """
+import jax.numpy as jnp, numpy as np, optax, jdp
+x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(8, 2); y = x @ np.float32([[2], [-1]]) + 0.5
+state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((2, 1))},
+                                            tx=optax.sgd(0.1)))
+loss_fn = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+state, metrics = STEP(loss_fn)(state, jdp.shard({"x": x, "y": y}))
+print(float(metrics["loss"]), *np.asarray(state.params["w"]).ravel())
+"""
+X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(8, 2)
+Y = X @ np.float32([[2], [-1]]) + 0.5
+
+
+@pytest.mark.parametrize("first_line,step", [
+    ("import jdp.train_step", "jdp.train_step"),
+    ("from jdp import train_step", "train_step"),
+    ("import jdp", "jdp.train_step"),
+])
+def test_every_spelling_of_train_step_imports_and_trains(first_line, step):
+    """The card's `import jdp.train_step` (first thing in a fresh interpreter), `from jdp import
+    train_step` and plain `import jdp`: each trains one step on 2 devices as numpy's SGD does."""
+    code = first_line + "\n" + TRAIN.replace("STEP", step)
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(devices=2), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loss, *w = map(float, out.stdout.split())
+    want_loss, want_w = one_sgd_step(X.astype(np.float64), Y.astype(np.float64), 0.1)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(w, want_w.ravel(), rtol=1e-5)
+
+
+def test_jdp_train_step_is_one_callable_module_with_the_functions_signature():
+    import inspect
+    import types
+
+    import jdp.train_step
+    from jdp import train_step
+    assert train_step is jdp.train_step and isinstance(train_step, types.ModuleType)
+    assert callable(train_step) and train_step.__name__ == "jdp.train_step"
+    assert inspect.signature(train_step) == inspect.signature(jdp.core.train_step)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shard_everything'"):
+        train_step(lambda p, b: 0.0, shard_everything=True)
 
 
 def test_every_public_name_is_exported():
@@ -71,11 +122,17 @@ def test_the_launcher_imports_nothing_numeric(path):
 def test_no_module_patches_the_import_system():
     """No sys.modules edits, no import-path tricks. The one line that sets sys.path is the rank
     runner's: it gives the user's script the first import-path entry `python script.py` would
-    (its own folder, or the cwd for `-m`), replacing the runner's own folder."""
+    (its own folder, or the cwd for `-m`), replacing the runner's own folder. The one line that
+    reads sys.modules sets jdp.train_step's class (jdp/train_step.py)."""
     offenders = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
                  for path in sorted(PACKAGE.rglob("*.py"))
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if "sys.path" in line or "sys.modules[" in line]
-    assert len(offenders) == 1, offenders
+    assert len(offenders) == 2, offenders
     assert offenders[0].startswith("jdp/job/run.py:") and "sys.path[0] = os.getcwd() if " \
         "module else os.path.dirname(os.path.abspath(argv[0]))" in offenders[0], offenders
+    # and the language reference's recipe for a module with a class of its own (a callable
+    # jdp.train_step): sys.modules is read, never assigned
+    assert offenders[1].startswith("jdp/train_step.py:") and offenders[1].endswith(
+        "sys.modules[__name__].__class__ = CallableModule   # the reference's recipe: read, "
+        "not assigned"), offenders

@@ -364,8 +364,8 @@ def test_each_way_a_round_ends_has_one_exit_status():
 
 def test_rounds_restart_after_a_failure_and_report_it_once(capsys):
     """The round protocol without processes: round 0 fails, round 1 (the restart) succeeds."""
-    from jdp.launch import _rounds
     from jdp.job.outcome import Job, Outcome, RankExit, State
+    from jdp.launch import _rounds
     rounds = []
 
     def run_round(r, stop):
@@ -382,8 +382,8 @@ def test_rounds_restart_after_a_failure_and_report_it_once(capsys):
 
 
 def test_without_restarts_left_the_job_exits_with_the_failed_rank_s_status(capsys):
-    from jdp.launch import _rounds
     from jdp.job.outcome import Job, Outcome, RankExit, State
+    from jdp.launch import _rounds
 
     def run_round(r, stop):
         return Outcome(State.FAILED, 0.1, RankExit(0, -signal.SIGKILL, ()))

@@ -3,14 +3,12 @@
 The state is placed with `broadcast` (replicated, or ZeRO with the optimizer state sharded),
 batches with `shard`; `train_step` and `eval_step` run one device's function on every device
 of every process as `jax.jit` of `jax.shard_map` over `mesh()`, with `lax.pmean` inside.
-"""
-from jdp.core._mesh import AXIS, mesh
-from jdp.core._state import TrainState, broadcast, shard, unshard
-from jdp.core._step import eval_step, reduce_gradients, train_step
 
-# For jdp's other packages, not re-exported by jdp: the layouts interface an adapter plugs into
-# (`layouts`), and what the pmap form, the Loader and the Checkpointer build on: the per-device
-# step functions, the step's dispatch, option and leaf checks, placement, ZeRO's records.
+For jdp's other packages, not re-exported by jdp: `layouts`, the interface an adapter (the pmap
+form) plugs its layout into; and what the pmap form, the Loader and the Checkpointer build on:
+the per-device step functions, the step's dispatch, the option and leaf checks, placement, and
+ZeRO's records.
+"""
 from jdp.core import layouts
 from jdp.core._checks import (
     batch_leaves,
@@ -22,9 +20,15 @@ from jdp.core._checks import (
 )
 from jdp.core._checks import name as leaf_name
 from jdp.core._dispatch import make_step, stop_values
-from jdp.core._mesh import batch_sharded, place, replicated
-from jdp.core._state import divisible_rows
-from jdp.core._step import device_eval_step, device_train_step
+from jdp.core._mesh import AXIS, batch_sharded, mesh, place, replicated
+from jdp.core._state import TrainState, broadcast, divisible_rows, shard, unshard
+from jdp.core._step import (
+    device_eval_step,
+    device_train_step,
+    eval_step,
+    reduce_gradients,
+    train_step,
+)
 from jdp.core._zero import is_sharded, logical_opt_state
 
 __all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "mesh", "reduce_gradients", "shard",

@@ -23,7 +23,10 @@ import jax
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
 from jdp.distributed import _rendezvous, _watch
-from jdp.job import env as _env, malloc as _malloc, net as _net, run as _run
+from jdp.job import env as _env
+from jdp.job import malloc as _malloc
+from jdp.job import net as _net
+from jdp.job import run as _run
 
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
 # a rank that finishes waits there for the others, and JAX aborts *every* process when it runs

@@ -20,7 +20,9 @@ import sys
 import threading
 import time
 
-from jdp.job import outcome as _outcome, progress as _progress, run as _run
+from jdp.job import outcome as _outcome
+from jdp.job import progress as _progress
+from jdp.job import run as _run
 from jdp.job import watchdog as _watchdog
 
 KEY = "jdp/watch/"

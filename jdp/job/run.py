@@ -188,8 +188,8 @@ def stacks_on_sigusr1() -> None:
 
 def _run_spawned(payload: str) -> None:
     """A `jdp.spawn` rank: the parent's import path and __main__ (multiprocessing's recipe), then
-    the entry the payload names (`jdp.launch._spawn.run_rank`). While the parent's main is imported, JDP_SPAWN_BOOTSTRAP is
-    set, so a `jdp.spawn` call at its top level fails clearly."""
+    the entry the payload names (`jdp.launch._spawn.run_rank`). While the parent's main is
+    imported, JDP_SPAWN_BOOTSTRAP is set, so a `jdp.spawn` call at its top level fails clearly."""
     import importlib
     import multiprocessing.spawn
     with open(payload, "rb") as f:

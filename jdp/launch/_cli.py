@@ -12,7 +12,8 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from jdp.job import env as _env, net as _net
+from jdp.job import env as _env
+from jdp.job import net as _net
 from jdp.job.outcome import Job, Outcome
 from jdp.launch import _goodput, _rounds, _supervisor
 

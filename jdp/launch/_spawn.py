@@ -17,7 +17,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jdp.job import env as _env, net as _net, run as _run
+from jdp.job import env as _env
+from jdp.job import net as _net
+from jdp.job import run as _run
 from jdp.job.outcome import Job, Outcome, State, report
 from jdp.launch import _goodput, _supervisor
 

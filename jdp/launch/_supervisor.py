@@ -24,7 +24,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from jdp.job import env as _env, malloc as _malloc, progress as _progress, run as _run
+from jdp.job import env as _env
+from jdp.job import malloc as _malloc
+from jdp.job import progress as _progress
+from jdp.job import run as _run
 from jdp.job import watchdog as _watchdog
 from jdp.job.outcome import Outcome, RankExit, Stall, State, Stop
 from jdp.launch import _goodput
