@@ -40,7 +40,7 @@ from jdp.job import preempted
 from jdp.launch import ProcessExitedException, ProcessRaisedException, spawn
 from jdp.pmap import replicate, unreplicate  # the classic form's top-level names
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"   # the one place: pyproject.toml reads it (CHANGELOG.md)
 
 __all__ = [
     "AXIS",

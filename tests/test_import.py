@@ -136,3 +136,19 @@ def test_no_module_patches_the_import_system():
     assert offenders[1].startswith("jdp/train_step.py:") and offenders[1].endswith(
         "sys.modules[__name__].__class__ = CallableModule   # the reference's recipe: read, "
         "not assigned"), offenders
+
+
+def test_the_version_has_one_source_and_a_changelog_section():
+    """pyproject.toml reads the version from jdp.__version__, and CHANGELOG.md's newest section is
+    that version."""
+    import jdp
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((pathlib.Path(REPO) / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "jdp.__version__"}
+    newest = next(line for line in (pathlib.Path(REPO) / "CHANGELOG.md").read_text().splitlines()
+                  if line.startswith("## "))
+    assert newest == f"## {jdp.__version__}", newest
+    config = pytest.importorskip("setuptools.config.pyprojecttoml")
+    built = config.read_configuration(pathlib.Path(REPO) / "pyproject.toml")
+    assert built["project"]["version"] == jdp.__version__
