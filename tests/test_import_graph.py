@@ -11,6 +11,7 @@ import pathlib
 import sys
 from typing import NamedTuple
 
+import pytest
 from conftest import REPO
 
 PACKAGE = pathlib.Path(REPO) / "jdp"
@@ -140,6 +141,24 @@ def test_no_package_imports_another_packages_private_module():
 def test_the_launcher_is_imported_only_by_the_top_level_re_export():
     offenders = [e for e in edges() if e.dst == "launch" and e.src != "jdp"]
     assert offenders == [], "jdp.launch imported from inside jdp: " + describe(offenders)
+
+
+def test_the_pmap_form_is_on_top_of_the_core():
+    """Only `jdp` imports the classic form, so removing jdp/pmap.py breaks the classic form alone;
+    the layout it plugs into the core is there once `import jdp` has run."""
+    import jdp
+    offenders = [e for e in edges() if e.dst == "pmap" and e.src != "jdp"]
+    assert offenders == [], "jdp.pmap imported from inside jdp: " + describe(offenders)
+    assert jdp.core.layouts.names() == ("global", "pmap")
+    assert jdp.core.layouts.named("pmap").shard is jdp.pmap.shard
+
+
+def test_a_layout_plugged_in_needs_a_name_of_its_own():
+    import jdp
+    with pytest.raises(ValueError, match="expected a Layout whose name is not 'global'"):
+        jdp.core.layouts.register(jdp.core.layouts.named("pmap")._replace(name="global"))
+    with pytest.raises(ValueError, match=r"layout='stacked'; expected one of \('global', 'pmap'\)"):
+        jdp.core.layouts.named("stacked")
 
 
 def test_the_jobs_contract_is_the_bottom_floor_and_the_launcher_is_on_top():

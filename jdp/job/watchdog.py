@@ -9,7 +9,7 @@ while another waits in a later step than it ran is named at once (FINISHED_WAIT_
 can never complete.
 
 Stacks are shown as a traceback shows them: most recent call last, each frame with its source
-line, without the launcher's own frames (runpy, `_run.py`), so the user's code comes first.
+line, without the launcher's own frames (runpy, `run.py`), so the user's code comes first.
 """
 from __future__ import annotations
 
