@@ -3,8 +3,10 @@ into another's private module, the job's contract at the bottom and the launcher
 
 A package is a folder under jdp/ (`jdp.core`, `jdp.launch`, ...) or a top-level module
 (`jdp.pmap`); `jdp` itself is the package's `__init__`, which re-exports the others. Every
-import statement counts, at any depth (an import inside a function still ties the floors).
-Run this file as a script to print the floors with their lines of code.
+import statement counts, at any depth (an import inside a function still ties the floors);
+a module found by name at run time is not an import statement (the one: the runner imports
+the spawn entry a `jdp.spawn` payload names, the launcher's own function).
+`cd tests && python test_import_graph.py` prints the floors with their lines of code.
 """
 import ast
 import pathlib
