@@ -47,7 +47,7 @@ ABORTS = ("incarnation", "SIGABRT", "Check failed", "Fatal Python error")
 def rank_pid(tag: str, rank: int) -> int | None:
     for p in job_processes(tag):
         try:
-            if p.environ().get("RANK") == str(rank) and "_run.py" in " ".join(p.cmdline()):
+            if p.environ().get("RANK") == str(rank) and "jdp/job/run.py" in " ".join(p.cmdline()):
                 return p.pid
         except Exception:
             continue

@@ -198,9 +198,9 @@ def _raise_for(outcome: Outcome, tmp: str, nprocs: int, limits: _supervisor.Limi
 
 
 def run_rank(payload: str) -> None:
-    """In a spawned rank (after `_run.py` imported the parent's main): initialize, fn(rank, *args).
+    """In a spawned rank (after `run.py` imported the parent's main): initialize, fn(rank, *args).
 
-    The payload holds two pickles: multiprocessing's preparation data (read by `_run.py`),
+    The payload holds two pickles: multiprocessing's preparation data (read by `run.py`),
     then (fn, args); it holds the parent's authkey, so the last rank to read it deletes it.
     """
     from jdp.distributed import initialize

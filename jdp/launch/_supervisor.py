@@ -251,7 +251,7 @@ def _start(spec: RankSpec, output: Output, events: queue.Queue, workdir: str | N
     """Start one rank in its own session with piped output, plus its pump and waiter threads."""
     files = _open_logs(output, spec.rank)
     env = {**spec.env, **_watch_files(workdir, spec.rank),
-           _env.SUPERVISOR_PID: str(os.getpid())}   # _run.py: die with us
+           _env.SUPERVISOR_PID: str(os.getpid())}   # run.py: die with us
     spec = spec._replace(env=env)
     proc = subprocess.Popen(list(spec.cmd), env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
