@@ -1,0 +1,106 @@
+"""What jdp's agreement points cost the coordination service, at up to 1,024 simulated
+processes: threads that run the real agreement logic against the counting in-memory store
+(`jdp.distributed._memstore`). Each process must make the same few requests whatever the
+number of processes, and the store must not grow with the number of agreement points.
+"""
+import threading
+
+import pytest
+
+from jdp.distributed import _agree, _memstore
+
+FIX = "build the same thing everywhere"
+
+
+def _run(store, count, facts_of, topic_of=lambda rank, i: "tree", points=1, timeout_s=30.0,
+         poll_s=60.0, ranks=None):
+    """Every rank (a thread) makes `points` agreement points; rank -> exception or None."""
+    outcome = {}
+
+    def process(rank):
+        me = _agree.Process(rank, count, {})
+        try:
+            for i in range(points):
+                _agree.agree_in_store(store.client(rank), me, topic_of(rank, i),
+                                      facts_of(rank, i), f"who{rank}", FIX, timeout_s, poll_s)
+            outcome[rank] = None
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            outcome[rank] = e
+
+    old = threading.stack_size(256 * 1024)
+    try:
+        threads = [threading.Thread(target=process, args=(r,), daemon=True)
+                   for r in (range(count) if ranks is None else ranks)]
+    finally:
+        threading.stack_size(old)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "an agreement point hung"
+    return outcome
+
+
+def _same(rank, i):
+    return [("['w']", "float32[3]"), ("['b']", f"float32[{i % 3}]")]
+
+
+@pytest.mark.parametrize("count", [8, 1024])
+def test_one_agreement_point_costs_each_process_a_constant_number_of_requests(count):
+    store = _memstore.Store()
+    assert _run(store, count, _same) == dict.fromkeys(range(count))
+    requests = sorted(store.counts[r].requests for r in range(count))
+    # the protocol: note where it waits, set its hash, count itself in, get the verdict;
+    # the last to arrive also reads the hashes, writes the verdict and deletes the hashes
+    assert requests == [4] * (count - 1) + [7]
+    # and small messages: keys, a hash, the verdict; only the last reads every hash
+    assert max(store.counts[r].sent for r in range(count)) < 300
+    received = sorted(store.counts[r].received for r in range(count))
+    assert received[-2] < 64 and received[-1] >= 32 * count
+
+
+def test_a_thousand_agreement_points_leave_no_more_keys_than_one():
+    store = _memstore.Store()
+    assert _run(store, 3, _same, points=1) == dict.fromkeys(range(3))
+    after_one = store.keys()
+    assert _run(store, 3, _same, points=999) == dict.fromkeys(range(3))
+    assert len(store.keys()) <= len(after_one)
+    # the `at` key of each process, and the last point's counter and verdict
+    assert sorted(k.rsplit("/", 2)[-1] if "/at/" not in k else "at" for k in store.keys()) == [
+        "arrived", "at", "at", "at", "verdict"]
+
+
+def test_a_difference_names_the_first_differing_fact_and_both_sides_on_every_process():
+    store = _memstore.Store()
+    odd = {5, 9}
+
+    def facts(rank, i):
+        return [("['w']", "float32[3]"), ("['b']", "float32[4]" if rank in odd else "float32[2]")]
+
+    outcome = _run(store, 16, facts)
+    want = ("the processes disagree on ['b']: float32[2] on process(es) 0, 1, 2, 3, 4, 6, 7, 8, "
+            f"... but float32[4] on process(es) 5, 9; {FIX}")
+    for rank in range(16):
+        assert isinstance(outcome[rank], ValueError), outcome[rank]
+        assert str(outcome[rank]) == f"who{rank}: {want}"
+
+
+def test_processes_on_different_paths_are_named_on_every_process_within_a_poll():
+    store = _memstore.Store()
+    outcome = _run(store, 4, _same, topic_of=lambda rank, i: "loader" if rank == 1 else "tree",
+                   timeout_s=60.0, poll_s=0.05)
+    assert str(outcome[0]).startswith("who0: process 0 waits here (call 1) while process 1 "
+                                      "waits in who1 (call 1), which process 0 has not reached")
+    assert str(outcome[1]).startswith("who1: process 1 waits here (call 1) while process 0 "
+                                      "waits in who0 (call 1), which process 1 has not reached")
+    for rank in (2, 3):   # process 0's finding is their verdict
+        assert str(outcome[rank]) == str(outcome[0])
+    assert all(isinstance(e, RuntimeError) for e in outcome.values())
+
+
+def test_a_process_that_never_comes_is_named_after_the_timeout():
+    store = _memstore.Store()
+    outcome = _run(store, 5, _same, timeout_s=0.3, poll_s=0.05, ranks=[0, 1, 2, 4])
+    for rank in (0, 1, 2, 4):
+        assert isinstance(outcome[rank], TimeoutError), outcome[rank]
+        assert "process(es) 3 did not reach this call within 0.3 s" in str(outcome[rank])
