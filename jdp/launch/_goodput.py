@@ -7,8 +7,9 @@ module turns them into
 
 - **buckets** that add up to the wall time: start-up and compilation (from the launch to a
   rank's first record, plus the first call of each jitted step), training steps, waiting for
-  data, evaluation, checkpoints, failures and restarts (every round that ended in a failure,
-  and the pause after it), and other (the rest: the user's own code between jdp calls, the
+  data, evaluation, checkpoints, lost work (in a round that ended in a failure, the work
+  after its last complete checkpoint, which the next round redoes, and the pause before the
+  restart: the rest of that round is split like any other), and other (the rest: the user's own code between jdp calls, the
   launcher's own work, a rank that finished waiting for its peers);
 - **stragglers**: a rank whose median lag in reaching a step, behind the first rank there,
   exceeds STRAGGLER_FRACTION of the median step time (and MIN_LAG_S), with its lag and its
@@ -34,11 +35,11 @@ STRAGGLER_FRACTION = 0.2   # median lag / median step time that names a straggle
 MIN_LAG_S = 0.01           # and by at least this much: below, it is scheduling noise
 MIN_STEPS = 5              # steps seen on every rank before anyone is named
 WARN_EVERY_S = 60.0        # at most one straggler warning a minute while the job runs
-BUCKETS = ("startup", "steps", "data", "eval", "checkpoint", "failures", "other")
+BUCKETS = ("startup", "steps", "data", "eval", "checkpoint", "lost", "other")
 _PHASE_BUCKET = {"start": "other", "step": "steps", "data": "data", "eval": "eval",
                  "checkpoint": "checkpoint", "other": "other", "done": "other"}
 _LABELS = {"startup": "start-up+compile", "steps": "steps", "data": "data", "eval": "eval",
-           "checkpoint": "checkpoints", "failures": "failures", "other": "other"}
+           "checkpoint": "checkpoints", "lost": "lost work", "other": "other"}
 
 
 class RankTimes(NamedTuple):
@@ -50,6 +51,7 @@ class RankTimes(NamedTuple):
     last: float
     seconds: dict              # phase (and "compile") -> seconds, closed intervals only
     arrivals: dict             # step -> time.monotonic() it was reached (the last RING steps)
+    kept: tuple | None = None  # the last checkpoint's end: (time, steps run, seconds)
 
 
 def read(path: str) -> RankTimes | None:
@@ -67,9 +69,15 @@ def read(path: str) -> RankTimes | None:
         if t > 0:
             arrivals[k] = t
     phases = _progress.PHASES
+    at, kept_step, *kept_acc = _progress.KEPT.unpack_from(data, _progress.KEPT_AT)
     return RankTimes(count, step, phases[code] if code < len(phases) else "other", first,
-                     last, {**dict(zip(phases, acc, strict=False)), "compile": acc[-1]},
-                     arrivals)
+                     last, _seconds(acc), arrivals,
+                     (at, kept_step, _seconds(kept_acc)) if at > 0 else None)
+
+
+def _seconds(acc: list) -> dict:
+    """Phase (and "compile") -> seconds, from the slot's accumulators."""
+    return {**dict(zip(_progress.PHASES, acc, strict=False)), "compile": acc[-1]}
 
 
 class Stragglers:
@@ -152,6 +160,23 @@ def rank_buckets(t: RankTimes | None, start: float, exited: float, end: float) -
     return out
 
 
+def failed_buckets(t: RankTimes | None, start: float, end: float) -> tuple[dict, int]:
+    """One rank's buckets over a round [start, end] that ended in a failure, and the steps it
+    ran after its last complete checkpoint: the work up to that checkpoint is split like any
+    round's, the rest is lost work (the next round, resuming from it, does it again)."""
+    if t is None or t.count == 0:
+        return {**dict.fromkeys(BUCKETS, 0.0), "lost": end - start}, 0
+    if t.kept is None or t.kept[0] < start:   # no checkpoint: only the start-up is kept
+        kept_at, kept_step, seconds = t.first, 0, dict.fromkeys(t.seconds, 0.0)
+    else:
+        kept_at, kept_step, seconds = t.kept
+    kept_at = min(kept_at, end)
+    upto = t._replace(last=kept_at, phase="other", seconds=seconds)
+    out = rank_buckets(upto, start, kept_at, kept_at)
+    out["lost"] = end - kept_at
+    return out, max(0, t.step - max(kept_step, 0))
+
+
 class Ledger:
     """A job's rounds, as one node's supervisor saw them; prints and writes the summary."""
 
@@ -164,6 +189,7 @@ class Ledger:
         self.detail: dict = {}            # rank -> phase seconds (the last round)
         self.stragglers: list = []
         self.rounds = 0
+        self.lost_steps: list = []        # per failed round: the steps run after its checkpoint
         self._round: tuple | None = None  # (start, slots, Stragglers, exits)
         self._next_warning = 0.0
         self._end = self.start
@@ -212,17 +238,22 @@ class Ledger:
         times = self._read()
         stragglers.feed(times)
         self._add_gap(start)
+        lost_steps = 0
         for rank in slots:
             t = times.get(rank)
-            b = rank_buckets(t, start, min(exits.get(rank, now), now), now)
             if failed:
-                b = {**dict.fromkeys(BUCKETS, 0.0), "failures": now - start}
+                b, lost = failed_buckets(t, start, now)
+                lost_steps = max(lost_steps, lost)
+            else:
+                b = rank_buckets(t, start, min(exits.get(rank, now), now), now)
             self._add(rank, b)
             if t is not None:
                 self.detail[rank] = {**t.seconds, "steps_run": max(t.step, 0)}
         self.stragglers = stragglers.named({r: t.seconds for r, t in times.items()}) or (
             self.stragglers if failed else [])
         self.rounds += 1
+        if failed:
+            self.lost_steps.append(lost_steps)
         self._end, self._failed_last, self._round = now, failed, None
 
     def _add(self, rank: int, buckets: dict) -> None:
@@ -234,10 +265,11 @@ class Ledger:
         """The time between the previous round's end (or the job's start) and this round."""
         gap = max(0.0, start - self._end)
         for rank in self.per_rank:   # the first round's gap is "other" (see summary)
-            self.per_rank[rank]["failures" if self._failed_last else "other"] += gap
+            self.per_rank[rank]["lost" if self._failed_last else "other"] += gap
 
     def summary(self) -> dict:
-        """{"wall_s", "buckets_s", "goodput", "stragglers", "ranks": {rank: detail}}."""
+        """{"wall_s", "buckets_s", "goodput", "rounds", "lost_steps" (per failed round),
+        "stragglers", "ranks": {rank: detail}}."""
         now = time.monotonic()
         wall = now - self.start
         ranks = {}
@@ -250,7 +282,8 @@ class Ledger:
         total = {k: sum(r["buckets_s"][k] for r in ranks.values()) / n for k in BUCKETS}
         return {"wall_s": round(wall, 3), "buckets_s": _rounded(total),
                 "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
-                "rounds": self.rounds, "stragglers": self.stragglers,
+                "rounds": self.rounds, "lost_steps": self.lost_steps,
+                "stragglers": self.stragglers,
                 "ranks": {str(r): d for r, d in ranks.items()}}
 
     def line(self, summary: dict | None = None) -> str:
