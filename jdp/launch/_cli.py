@@ -301,7 +301,7 @@ def launch(args: argparse.Namespace) -> int:
         rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
         ledger = _goodput.Ledger(WHO, args.logdir, args.node_rank)   # where the time went
         status = _rounds.run(job, args.max_restarts, rdzv, run_round, args.min_nodes,
-                             args.rdzv_timeout)
+                             args.rdzv_timeout, ledger)
         ledger.finish()
         return status
 

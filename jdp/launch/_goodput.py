@@ -190,6 +190,7 @@ class Ledger:
         self.stragglers: list = []
         self.rounds = 0
         self.lost_steps: list = []        # per failed round: the steps run after its checkpoint
+        self.nodes: dict = {}             # node 0: node k -> node k's summary (`merge`)
         self._round: tuple | None = None  # (start, slots, Stragglers, exits)
         self._next_warning = 0.0
         self._end = self.start
@@ -269,7 +270,11 @@ class Ledger:
 
     def summary(self) -> dict:
         """{"wall_s", "buckets_s", "goodput", "rounds", "lost_steps" (per failed round),
-        "stragglers", "ranks": {rank: detail}}."""
+        "stragglers", "ranks": {rank: detail}}; on node 0 of several, the job's (`merge`)."""
+        own = self._own_summary()
+        return merge(own, self.nodes) if self.nodes else own
+
+    def _own_summary(self) -> dict:
         now = time.monotonic()
         wall = now - self.start
         ranks = {}
@@ -291,8 +296,9 @@ class Ledger:
         s = summary or self.summary()
         b = s["buckets_s"]
         parts = ", ".join(f"{_LABELS[k]} {b[k]:.1f} s" for k in BUCKETS)
+        nodes = f" on {len(s['nodes'])} nodes" if "nodes" in s else ""
         text = (f"{self.who}: goodput {100 * s['goodput']:.1f} % of {s['wall_s']:.1f} s "
-                f"wall: {parts}")
+                f"wall{nodes}: {parts}")
         if s["stragglers"]:
             text += "; " + "; ".join(
                 f"straggler rank {x['rank']} ({x['lag_s']:.3g} s behind per step, "
@@ -313,6 +319,36 @@ class Ledger:
         if self.logdir:
             write(self.logdir, s, self.node, self._writer)
         return s
+
+
+def merge(own: dict, others: dict) -> dict:
+    """Node 0's summary and the other nodes' (node -> summary) as the job's one summary.
+
+    Each node measured its own ranks on its own clock; only durations cross nodes. A rank of a
+    node whose launcher started later (or whose last report came earlier) than node 0's gets
+    the difference as "other", so every rank's buckets add up to the job's wall time (node
+    0's), and the job's buckets are the mean over all ranks. Stragglers are every node's,
+    slowest first; "nodes" keeps each node's own wall time, buckets and stragglers.
+    """
+    wall = own["wall_s"]
+    nodes = {"0": own, **{str(k): s for k, s in sorted(others.items())}}
+    ranks = {}
+    for s in nodes.values():
+        for rank, detail in s["ranks"].items():
+            b = dict(detail["buckets_s"])
+            b["other"] = max(0.0, b["other"] + wall - sum(b.values()))
+            ranks[rank] = {**detail, "buckets_s": _rounded(b)}
+    n = max(1, len(ranks))
+    total = {k: sum(r["buckets_s"][k] for r in ranks.values()) / n for k in BUCKETS}
+    stragglers = sorted((x for s in nodes.values() for x in s["stragglers"]),
+                        key=lambda x: -x["lag_s"])
+    return {**own, "buckets_s": _rounded(total),
+            "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
+            "stragglers": stragglers,
+            "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0]))),
+            "nodes": {k: {key: s[key] for key in ("wall_s", "buckets_s", "goodput", "rounds",
+                                                  "lost_steps", "stragglers") if key in s}
+                      for k, s in nodes.items()}}
 
 
 def write(logdir: str, summary: dict, node: int = 0, writer=None) -> str:
