@@ -104,3 +104,37 @@ def test_a_process_that_never_comes_is_named_after_the_timeout():
     for rank in (0, 1, 2, 4):
         assert isinstance(outcome[rank], TimeoutError), outcome[rank]
         assert "process(es) 3 did not reach this call within 0.3 s" in str(outcome[rank])
+
+
+def test_the_in_job_watchdog_names_a_stuck_rank_of_a_job_without_a_launcher(tmp_path, tag):
+    # the srun/mpirun path (JDP_PROGRESS_TIMEOUT, no supervisor) with torchrun's variables
+    from conftest import run_ranks, wait_until_gone, write_script
+    from test_fault_mpirun import STUCK, STUCK_LINE
+    script = write_script(tmp_path, "stuck.py", STUCK)
+    codes, logs = run_ranks([script], timeout=90, JDP_PROGRESS_TIMEOUT="4", JDP_TEST_TAG=tag)
+    assert codes == [124, 124], logs
+    report = logs[0][logs[0].index("jdp: no rank made progress"):]
+    assert "(JDP_PROGRESS_TIMEOUT): rank 1 stuck at step 4 in phase step" in report, report
+    assert f'File "{script}", line {STUCK_LINE}, in <module>' in report, report
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
+
+
+def test_the_roll_call_gathers_hundreds_of_processes_with_one_connection_each():
+    from conftest import free_port
+
+    from jdp.distributed import _rendezvous
+    count, port, left = 300, free_port(), {}
+
+    def process(rank):
+        try:
+            left[rank] = _rendezvous.roll_call("127.0.0.1", port, rank, count, 60)
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            left[rank] = e
+
+    threads = [threading.Thread(target=process, args=(r,), daemon=True) for r in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert sorted(left) == list(range(count))
+    assert all(isinstance(s, int) and 1 <= s <= 60 for s in left.values()), left
