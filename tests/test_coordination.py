@@ -138,3 +138,18 @@ def test_the_roll_call_gathers_hundreds_of_processes_with_one_connection_each():
         t.join(90)
     assert sorted(left) == list(range(count))
     assert all(isinstance(s, int) and 1 <= s <= 60 for s in left.values()), left
+
+
+def test_the_scaling_table_rows_are_counted_not_guessed():
+    from benchmarks import bench_coordination
+    rows = bench_coordination.agreement_rows(counts=(2, 16), before_up_to=16)
+    for row in rows:
+        n = row[0]
+        # after, over 3 points: 4 requests per process, and the one that judges a point 3 more
+        # (4 from the second point on: it deletes the previous point's keys);
+        # before: N + 3 requests per process (3 sets, N gets), N^2 + 3N at the coordinator
+        assert row[1].startswith(f"{4 + (3 + 4 + 4) / (3 * n):.2f}"), row
+        assert row[2] == f"{n + 3} / {n + 3}" and row[6] == f"{n * n + 3 * n:,}", row
+    (n, period, per_s, *_), = bench_coordination.watchdog_rows(counts=(4,), seconds=1.0)
+    assert (n, period) == (4, "0.5") and 0 < float(per_s) <= 2 / 0.5 + 1   # set + wait a period
+    assert [r[-1] for r in bench_coordination.roll_call_rows(counts=(2, 8))] == ["ok", "ok"]

@@ -35,6 +35,11 @@ class Store:
         self._lock = threading.Lock()
         self._waiting: dict[str, threading.Event] = {}
         self.counts: dict[int, Counts] = collections.defaultdict(Counts)
+        self.closed = False
+
+    def close(self) -> None:
+        """The service goes away: every later call raises, as when a job ends."""
+        self.closed = True
 
     def client(self, rank: int) -> Client:
         return Client(self, rank)
@@ -101,6 +106,8 @@ class Client:
         self.store, self.rank = store, rank
 
     def _count(self, method: str, sent: int, received: int = 0) -> None:
+        if self.store.closed:
+            raise jax.errors.JaxRuntimeError("UNAVAILABLE: the coordination service is gone")
         c = self.store.counts[self.rank]
         c.requests += 1
         c.sent += sent
