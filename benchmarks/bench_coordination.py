@@ -182,6 +182,53 @@ if me == 0:
 """
 
 
+SERVICE = """
+import json, time
+import jax
+from jax._src import distributed as d  # the coordination client, as jdp's _init reads it
+from benchmarks.bench_coordination import _service_times
+jax.distributed.initialize("127.0.0.1:%d", 1, 0)
+print("SERVICE " + json.dumps(_service_times(d.global_state.client)), flush=True)
+"""
+
+
+def _service_times(client, calls: int = 2000, keys: int = 16384) -> dict:
+    """Microseconds per set, get and increment; ms for a directory read of `keys` hashes."""
+    out = {}
+    start = time.perf_counter()
+    for i in range(calls):
+        client.key_value_set(f"b/set/{i}", "x" * 32)
+    out["set_us"] = (time.perf_counter() - start) / calls * 1e6
+    start = time.perf_counter()
+    for i in range(calls):
+        client.blocking_key_value_get(f"b/set/{i}", 1000)
+    out["get_us"] = (time.perf_counter() - start) / calls * 1e6
+    start = time.perf_counter()
+    for _ in range(calls):
+        client.key_value_increment("b/count", 1)
+    out["increment_us"] = (time.perf_counter() - start) / calls * 1e6
+    for i in range(keys):
+        client.key_value_set(f"b/hash/{i}", "0123456789abcdef" * 2)
+    start = time.perf_counter()
+    got = client.key_value_dir_get("b/hash/")
+    out["dir_ms"] = (time.perf_counter() - start) * 1e3
+    out["dir_keys"] = len(got)
+    return out
+
+
+def service_row() -> dict:
+    """JAX's coordination service on this machine, one process talking to it over 127.0.0.1."""
+    from jdp.launch import _net
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", SERVICE % _net.free_port("127.0.0.1")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    line = [x for x in done.stdout.splitlines() if x.startswith("SERVICE ")]
+    if not line:
+        raise RuntimeError(f"the service measurement failed: {done.stderr[-300:]}")
+    return json.loads(line[0].split(" ", 1)[1])
+
+
 def real_rows(counts=(2, 4, 8), points: int = 30) -> list:
     """ms per agreement point with N real processes under jdp.launch, before and after."""
     rows = []
@@ -221,6 +268,11 @@ def table(quick: bool = False) -> str:
                         roll_call_rows((2, 64, 512) if quick else (2, 64, 512, 1024)))
     real = report.table(["processes", "ms per agreement point: before", "after"],
                         real_rows((2, 4) if quick else (2, 4, 8)))
+    svc = service_row()
+    service = report.table(["set", "blocking get (key present)", "increment",
+                            f"directory read of {svc['dir_keys']:,} hashes"],
+                           [[f"{svc['set_us']:.0f} µs", f"{svc['get_us']:.0f} µs",
+                             f"{svc['increment_us']:.0f} µs", f"{svc['dir_ms']:.1f} ms"]])
     return ("Agreement points, simulated: N threads run the agreement logic against the "
             "counting in-memory store (one Python process: the ms column is this machine's "
             "GIL, not a network). Before: each process read every other's hash.\n\n"
@@ -229,7 +281,9 @@ def table(quick: bool = False) -> str:
             f"The roll call in `jdp.initialize()`, real TCP on 127.0.0.1, N threads:\n\n{roll}\n"
             "Real processes (`python -m jdp.launch --nproc_per_node N --devices_per_process 1`, "
             f"{os.cpu_count()} CPU cores), 30 agreement points of a 16-leaf tree against JAX's "
-            f"coordination service:\n\n{real}")
+            f"coordination service:\n\n{real}\nJAX's coordination service on this machine, one "
+            f"client over 127.0.0.1, per request (the figures docs/performance.md's model "
+            f"scales):\n\n{service}")
 
 
 if __name__ == "__main__":

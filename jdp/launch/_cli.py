@@ -81,7 +81,7 @@ stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S): jdp's steps, Load
   waits in step 4") and the job stops the same way.
 
 goodput: at the end (and before a restart) one line says where the wall time went (start-up
-  and compilation, steps, data, eval, checkpoints, failures, other) and names stragglers,
+  and compilation, steps, data, eval, checkpoints, lost work, other) and names stragglers,
   ranks that reach each step late (also warned while running, at most once a minute); with
   --logdir DIR also DIR/summary.json and DIR/goodput (TensorBoard). See docs/watching.md.
 
