@@ -9,15 +9,17 @@ module turns them into
   rank's first record, plus the first call of each jitted step), training steps, waiting for
   data, evaluation, checkpoints, lost work (in a round that ended in a failure, the work
   after its last complete checkpoint, which the next round redoes, and the pause before the
-  restart: the rest of that round is split like any other), and other (the rest: the user's own code between jdp calls, the
-  launcher's own work, a rank that finished waiting for its peers);
+  restart: the rest of that round is split like any other), and other (the rest: the user's
+  own code between jdp calls, the launcher's own work, a rank that finished waiting for its
+  peers);
 - **stragglers**: a rank whose median lag in reaching a step, behind the first rank there,
   exceeds STRAGGLER_FRACTION of the median step time (and MIN_LAG_S), with its lag and its
   slowest phase
   (the phase where it spends the most time beyond the other ranks' median).
 
 `Ledger` keeps a job's rounds; `summary` is what goes to LOGDIR/summary.json and `line` the
-one `goodput` line the launcher prints.
+one `goodput` line the launcher prints; on a job of several nodes, `merge` makes node 0's
+summary the job's from every node's.
 """
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ k is the launcher's --node_rank, its name for the whole job; d is its NODE_RANK 
 the nodes present are numbered densely in the order of k (node 0, which runs process 0's
 coordinator, is always d=0), and their ranks follow one another from f. S is an
 `_outcome.State` value; node k > 0 sends its goodput summary so far (`_goodput`), which node
-0's launcher merges into the job's one summary. A round's report (the first failure's, formatted where it happened)
-and its summary line reach every launcher with the next "start" or the "exit", so every node
-prints the same lines once.
+0's launcher merges into the job's one summary. A round's report (the first failure's,
+formatted where it happened) and its summary line reach every launcher with the next "start"
+or the "exit", so every node prints the same lines once.
 
 Membership. A launcher that vanishes counts as a failure of its node (it is *lost*). With a
 fixed --nnodes N the next round waits (up to JOIN_TIMEOUT_S) for a launcher of every node.
