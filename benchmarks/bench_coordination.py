@@ -267,7 +267,7 @@ def table(quick: bool = False) -> str:
                          "messages per process", "outcome"],
                         roll_call_rows((2, 64, 512) if quick else (2, 64, 512, 1024)))
     real = report.table(["processes", "ms per agreement point: before", "after"],
-                        real_rows((2, 4) if quick else (2, 4, 8)))
+                        real_rows((2, 4) if quick else (2, 4, 8, 16)))
     svc = service_row()
     service = report.table(["set", "blocking get (key present)", "increment",
                             f"directory read of {svc['dir_keys']:,} hashes"],

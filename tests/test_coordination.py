@@ -153,3 +153,34 @@ def test_the_scaling_table_rows_are_counted_not_guessed():
     (n, period, per_s, *_), = bench_coordination.watchdog_rows(counts=(4,), seconds=1.0)
     assert (n, period) == (4, "0.5") and 0 < float(per_s) <= 2 / 0.5 + 1   # set + wait a period
     assert [r[-1] for r in bench_coordination.roll_call_rows(counts=(2, 8))] == ["ok", "ok"]
+
+
+ROLL_CALL_UNDER_A_LOW_LIMIT = """
+import resource, sys, threading
+from jdp.distributed import _rendezvous
+from jdp.launch import _net
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+count, port, failed = 100, _net.free_port("127.0.0.1"), []
+
+def process(rank):
+    try:
+        _rendezvous.roll_call("127.0.0.1", port, rank, count, 60)
+    except Exception as e:
+        failed.append(repr(e))
+
+threads = [threading.Thread(target=process, args=(r,)) for r in range(count)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("FAILED", len(failed), failed[:1])
+"""
+
+
+def test_process_0_makes_room_for_every_connection_of_the_roll_call(tmp_path):
+    # 100 processes in one: ~200 sockets under a soft limit of 64 open files
+    from conftest import run_python, write_script
+    done = run_python([write_script(tmp_path, "low.py", ROLL_CALL_UNDER_A_LOW_LIMIT)],
+                      timeout=120)
+    assert "FAILED 0 []" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
