@@ -247,3 +247,31 @@ def test_a_job_killed_twice_counts_only_the_steps_redone_as_lost(tmp_path, tag):
     assert hurt["rounds"] == 3 and hurt["buckets_s"]["lost"] > 0
     assert sum(hurt["buckets_s"].values()) == pytest.approx(hurt["wall_s"], rel=0.01)
     assert hurt["buckets_s"]["steps"] == pytest.approx(calm["buckets_s"]["steps"], rel=0.2)
+
+
+def _node(ranks, wall, lag_of, steps_s=2.0):
+    """A node's summary as its launcher sends it: every rank's buckets add up to `wall`;
+    rank r reaches step k at 1000 + 0.1 k + lag_of[r] (wall clock)."""
+    buckets = {**dict.fromkeys(_goodput.BUCKETS, 0.0), "steps": steps_s, "other": wall - steps_s}
+    return {"wall_s": wall, "buckets_s": buckets, "goodput": steps_s / wall, "rounds": 1,
+            "lost_steps": [], "stragglers": [],
+            "ranks": {str(r): {"buckets_s": buckets, "phases_s": {"data": 1.0 + lag_of[r]}}
+                      for r in ranks},
+            "arrivals": {str(r): {str(k): 1000 + 0.1 * k + lag_of[r] for k in range(1, 30)}
+                         for r in ranks}}
+
+
+def test_node_0_merges_every_node_into_one_summary_with_job_wide_stragglers():
+    lag_of = {0: 0.0, 1: 0.001, 2: 0.002, 3: 0.06}     # rank 3, alone on node 1, is 60 % late
+    own, other = _node([0, 1, 2], 10.0, lag_of), _node([3], 8.0, lag_of, steps_s=1.0)
+    merged = _goodput.merge(own, {1: other})
+    assert sorted(merged["ranks"]) == ["0", "1", "2", "3"] and "arrivals" not in merged
+    # node 1's launcher started 2 s later: its rank's missing 2 s are "other"
+    assert merged["ranks"]["3"]["buckets_s"]["other"] == pytest.approx(9.0)
+    for detail in merged["ranks"].values():
+        assert sum(detail["buckets_s"].values()) == pytest.approx(10.0)
+    assert merged["buckets_s"]["steps"] == pytest.approx((3 * 2.0 + 1.0) / 4)
+    assert [s["rank"] for s in merged["stragglers"]] == [3]
+    assert merged["stragglers"][0]["lag_s"] == pytest.approx(0.06)
+    assert merged["stragglers"][0]["slowest_phase"] == "data"
+    assert merged["nodes"]["1"]["wall_s"] == 8.0 and "ranks" not in merged["nodes"]["1"]

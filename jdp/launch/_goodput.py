@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from typing import NamedTuple
 
 from jdp.launch import _progress
@@ -193,6 +194,7 @@ class Ledger:
         self.rounds = 0
         self.lost_steps: list = []        # per failed round: the steps run after its checkpoint
         self.nodes: dict = {}             # node 0: node k -> node k's summary (`merge`)
+        self.arrivals: dict = {}          # the last round's, on the wall clock (`merge`)
         self._round: tuple | None = None  # (start, slots, Stragglers, exits)
         self._next_warning = 0.0
         self._end = self.start
@@ -255,6 +257,7 @@ class Ledger:
         self.stragglers = stragglers.named({r: t.seconds for r, t in times.items()}) or (
             self.stragglers if failed else [])
         self.rounds += 1
+        self.arrivals = _wall_clock_arrivals(times)
         if failed:
             self.lost_steps.append(lost_steps)
         self._end, self._failed_last, self._round = now, failed, None
@@ -270,11 +273,14 @@ class Ledger:
         for rank in self.per_rank:   # the first round's gap is "other" (see summary)
             self.per_rank[rank]["lost" if self._failed_last else "other"] += gap
 
-    def summary(self) -> dict:
+    def summary(self, arrivals: bool = False) -> dict:
         """{"wall_s", "buckets_s", "goodput", "rounds", "lost_steps" (per failed round),
-        "stragglers", "ranks": {rank: detail}}; on node 0 of several, the job's (`merge`)."""
+        "stragglers", "ranks": {rank: detail}}; on node 0 of several, the job's (`merge`).
+        With `arrivals`, also the last round's step arrivals (what node k sends node 0)."""
         own = self._own_summary()
-        return merge(own, self.nodes) if self.nodes else own
+        if arrivals:
+            own["arrivals"] = self.arrivals
+        return merge({**own, "arrivals": self.arrivals}, self.nodes) if self.nodes else own
 
     def _own_summary(self) -> dict:
         now = time.monotonic()
@@ -334,6 +340,7 @@ def merge(own: dict, others: dict) -> dict:
     """
     wall = own["wall_s"]
     nodes = {"0": own, **{str(k): s for k, s in sorted(others.items())}}
+    own = {k: v for k, v in own.items() if k != "arrivals"}
     ranks = {}
     for s in nodes.values():
         for rank, detail in s["ranks"].items():
@@ -342,8 +349,10 @@ def merge(own: dict, others: dict) -> dict:
             ranks[rank] = {**detail, "buckets_s": _rounded(b)}
     n = max(1, len(ranks))
     total = {k: sum(r["buckets_s"][k] for r in ranks.values()) / n for k in BUCKETS}
-    stragglers = sorted((x for s in nodes.values() for x in s["stragglers"]),
-                        key=lambda x: -x["lag_s"])
+    stragglers = _job_stragglers(nodes, ranks)
+    if stragglers is None:   # some node sent no arrivals: each node's own, slowest first
+        stragglers = sorted((x for s in nodes.values() for x in s["stragglers"]),
+                            key=lambda x: -x["lag_s"])
     return {**own, "buckets_s": _rounded(total),
             "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
             "stragglers": stragglers,
@@ -351,6 +360,26 @@ def merge(own: dict, others: dict) -> dict:
             "nodes": {k: {key: s[key] for key in ("wall_s", "buckets_s", "goodput", "rounds",
                                                   "lost_steps", "stragglers") if key in s}
                       for k, s in nodes.items()}}
+
+
+def _wall_clock_arrivals(times: dict) -> dict:
+    """rank -> {step: when it was reached}, on the wall clock (which the nodes share, to NTP's
+    precision: milliseconds), not this node's monotonic one."""
+    offset = time.time() - time.monotonic()
+    return {str(r): {str(k): at + offset for k, at in t.arrivals.items()}
+            for r, t in times.items()}
+
+
+def _job_stragglers(nodes: dict, ranks: dict) -> list | None:
+    """The stragglers among every rank of every node, from the last round's arrivals; None
+    when some node did not send them."""
+    if not all(s.get("arrivals") for s in nodes.values()):
+        return None
+    arrivals = {int(r): {int(k): at for k, at in a.items()}
+                for s in nodes.values() for r, a in s["arrivals"].items()}
+    found = Stragglers(sorted(arrivals))
+    found.feed({r: types.SimpleNamespace(arrivals=a) for r, a in arrivals.items()})
+    return found.named({int(r): d.get("phases_s", {}) for r, d in ranks.items()})
 
 
 def write(logdir: str, summary: dict, node: int = 0, writer=None) -> str:

@@ -132,7 +132,8 @@ def _follow(link: Link, job: Job, run_round: Callable, ledger=None) -> int:
             seen_as = job._replace(world=place.world, nnodes=place.nnodes, node=place.node_rank)
             link.send({"end": r, "state": outcome.state.value, "status": exit_status(outcome),
                        "report": report(outcome, seen_as) or None,
-                       "goodput": ledger.summary() if ledger and job.node else None})
+                       "goodput": ledger.summary(arrivals=True) if ledger and job.node
+                       else None})
     finally:
         link.conn.close()
 
