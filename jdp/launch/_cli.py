@@ -83,7 +83,8 @@ stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S): jdp's steps, Load
 goodput: at the end (and before a restart) one line says where the wall time went (start-up
   and compilation, steps, data, eval, checkpoints, lost work, other) and names stragglers,
   ranks that reach each step late (also warned while running, at most once a minute); with
-  --logdir DIR also DIR/summary.json and DIR/goodput (TensorBoard). See docs/watching.md.
+  --logdir DIR also DIR/summary.json (on node 0: the whole job's, merged from every node's)
+  and DIR/goodput (TensorBoard). See docs/watching.md.
 
 stop requests (preemption): SIGTERM to the launcher is forwarded to every rank; a loop that
   asks jdp.preempted() sees it at the same step on every rank, saves and leaves. Ranks still
