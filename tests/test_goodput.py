@@ -212,6 +212,7 @@ begin = int(state.step)
 print(f"RESUMED {attempt} {begin}", file=sys.stderr, flush=True)
 for i in range(begin + 1, 41):
     state, _ = step(state, batch)
+    jax.block_until_ready(state)   # step i done on every rank before rank 1 may die
     time.sleep(0.05)
     if i % 5 == 0:
         ckpt.save(i, state)

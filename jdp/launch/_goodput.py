@@ -243,12 +243,12 @@ class Ledger:
         times = self._read()
         stragglers.feed(times)
         self._add_gap(start)
-        lost_steps = 0
+        lost_steps = []
         for rank in slots:
             t = times.get(rank)
             if failed:
                 b, lost = failed_buckets(t, start, now)
-                lost_steps = max(lost_steps, lost)
+                lost_steps.append(lost)
             else:
                 b = rank_buckets(t, start, min(exits.get(rank, now), now), now)
             self._add(rank, b)
@@ -258,8 +258,8 @@ class Ledger:
             self.stragglers if failed else [])
         self.rounds += 1
         self.arrivals = _wall_clock_arrivals(times)
-        if failed:
-            self.lost_steps.append(lost_steps)
+        if failed:   # the steps every rank ran (one ahead may have begun a step it never ends)
+            self.lost_steps.append(min(lost_steps, default=0))
         self._end, self._failed_last, self._round = now, failed, None
 
     def _add(self, rank: int, buckets: dict) -> None:
