@@ -103,34 +103,39 @@ def agreement_rows(counts=(2, 8, 64, 256, 1024, 4096), before_up_to: int = 256) 
     return rows
 
 
-def watchdog_rows(counts=(8, 256, 1024), seconds: float = 2.0) -> list:
-    """N publishers and process 0's watcher on the store for `seconds`, progress moving."""
+def watchdog_rows(cases=((8, 10.0), (256, 10.0), (1024, 10.0), (1024, 600.0)),
+                  seconds: float | None = None) -> list:
+    """Per (N, JDP_PROGRESS_TIMEOUT): N publishers and process 0's watcher on the store for
+    `seconds` (default: two periods, at least 2 s), every rank making progress."""
+    return [_watch_once(n, timeout_s, seconds) for n, timeout_s in cases]
+
+
+def _watch_once(n: int, timeout_s: float, seconds: float | None) -> list:
     from jdp.distributed import _memstore, _watch
     from jdp.launch import _progress
-    rows = []
-    for n in counts:
-        store = _memstore.Store()
-        slots = [bytearray(_progress.SLOT_SIZE) for _ in range(n)]
-        every = _watch.period(10.0)
-        threads = [threading.Thread(target=_watch._publish, daemon=True, args=(
-            store.client(r), r, slots[r], threading.main_thread(), every)) for r in range(n)]
-        threads.append(threading.Thread(target=_watch._watch, daemon=True,
-                                        args=(store.client(0), n, 10.0, every)))
-        for t in threads:
-            t.start()
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:   # every rank makes progress (a step) 10 times a second
-            for k, slot in enumerate(slots):
-                _progress.HEAD.pack_into(slot, 0, int(time.monotonic() * 10), k, 1, 0.0)
-            time.sleep(0.1)
-        store.close()
-        for t in threads:
-            t.join(5)
-        c = [store.counts[r] for r in range(1, n)]
-        rows.append([n, f"{every:g}", f"{statistics.mean(x.requests for x in c) / seconds:.2f}",
-                     f"{statistics.mean(x.sent + x.received for x in c) / seconds:.0f}",
-                     f"{store.counts[0].received / seconds:,.0f}", len(store.keys())])
-    return rows
+    store = _memstore.Store()
+    slots = [bytearray(_progress.SLOT_SIZE) for _ in range(n)]
+    every = _watch.period(timeout_s)
+    seconds = seconds or max(2.0, 2 * every)
+    threads = [threading.Thread(target=_watch._publish, daemon=True, args=(
+        store.client(r), r, slots[r], threading.main_thread(), every)) for r in range(n)]
+    threads.append(threading.Thread(target=_watch._watch, daemon=True,
+                                    args=(store.client(0), n, timeout_s, every)))
+    for t in threads:
+        t.start()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:   # every rank makes progress (a step) 10 times a second
+        for k, slot in enumerate(slots):
+            _progress.HEAD.pack_into(slot, 0, int(time.monotonic() * 10), k, 1, 0.0)
+        time.sleep(0.1)
+    store.close()
+    for t in threads:
+        t.join(every + 5)
+    c = [store.counts[r] for r in range(1, n)]
+    return [n, f"{timeout_s:g}", f"{every:g}",
+            f"{statistics.mean(x.requests for x in c) / seconds:.2f}",
+            f"{statistics.mean(x.sent + x.received for x in c) / seconds:.0f}",
+            f"{store.counts[0].received / seconds:,.0f}", len(store.keys())]
 
 
 def roll_call_rows(counts=(2, 64, 512, 1024)) -> list:
@@ -260,9 +265,11 @@ def table(quick: bool = False) -> str:
          "mean / max: after", "before (mean)", "requests at the coordinator: after", "before",
          "keys / bytes held after 3 points: after", "before", "ms per point (threads): after",
          "before"], agreement_rows(counts))
-    watchdog = report.table(["N", "period s", "requests per rank per s", "bytes per rank per s",
+    watchdog = report.table(["N", "JDP_PROGRESS_TIMEOUT s", "period s",
+                             "requests per rank per s", "bytes per rank per s",
                              "process 0 reads bytes per s", "keys held"],
-                            watchdog_rows((8, 256) if quick else (8, 256, 1024)))
+                            watchdog_rows(((8, 10.0), (256, 600.0)) if quick else
+                                          ((8, 10.0), (256, 10.0), (1024, 10.0), (1024, 600.0))))
     roll = report.table(["N", "seconds", "connections held by process 0",
                          "messages per process", "outcome"],
                         roll_call_rows((2, 64, 512) if quick else (2, 64, 512, 1024)))
@@ -276,8 +283,9 @@ def table(quick: bool = False) -> str:
     return ("Agreement points, simulated: N threads run the agreement logic against the "
             "counting in-memory store (one Python process: the ms column is this machine's "
             "GIL, not a network). Before: each process read every other's hash.\n\n"
-            f"{agreement}\nThe in-job watchdog (srun/mpirun, JDP_PROGRESS_TIMEOUT=10), "
-            f"simulated for 2 s with every rank making progress:\n\n{watchdog}\n"
+            f"{agreement}\nThe in-job watchdog (srun/mpirun), simulated for two periods (at "
+            f"least 2 s) with every rank making progress; before, the period was 0.5 s whatever "
+            f"the timeout:\n\n{watchdog}\n"
             f"The roll call in `jdp.initialize()`, real TCP on 127.0.0.1, N threads:\n\n{roll}\n"
             "Real processes (`python -m jdp.launch --nproc_per_node N --devices_per_process 1`, "
             f"{os.cpu_count()} CPU cores), 30 agreement points of a 16-leaf tree against JAX's "

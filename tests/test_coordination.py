@@ -150,7 +150,7 @@ def test_the_scaling_table_rows_are_counted_not_guessed():
         # before: N + 3 requests per process (3 sets, N gets), N^2 + 3N at the coordinator
         assert row[1].startswith(f"{4 + (3 + 4 + 4) / (3 * n):.2f}"), row
         assert row[2] == f"{n + 3} / {n + 3}" and row[6] == f"{n * n + 3 * n:,}", row
-    (n, period, per_s, *_), = bench_coordination.watchdog_rows(counts=(4,), seconds=1.0)
+    (n, _, period, per_s, *_), = bench_coordination.watchdog_rows(((4, 10.0),), seconds=1.0)
     assert (n, period) == (4, "0.5") and 0 < float(per_s) <= 2 / 0.5 + 1   # set + wait a period
     assert [r[-1] for r in bench_coordination.roll_call_rows(counts=(2, 8))] == ["ok", "ok"]
 
