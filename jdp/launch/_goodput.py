@@ -304,6 +304,9 @@ class Ledger:
         s = summary or self.summary()
         b = s["buckets_s"]
         parts = ", ".join(f"{_LABELS[k]} {b[k]:.1f} s" for k in BUCKETS)
+        if s.get("lost_steps"):
+            parts += (f" ({sum(s['lost_steps'])} steps redone after {len(s['lost_steps'])} "
+                      "failed round(s))")
         nodes = f" on {len(s['nodes'])} nodes" if "nodes" in s else ""
         text = (f"{self.who}: goodput {100 * s['goodput']:.1f} % of {s['wall_s']:.1f} s "
                 f"wall{nodes}: {parts}")
