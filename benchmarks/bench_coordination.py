@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -138,13 +139,19 @@ def _watch_once(n: int, timeout_s: float, seconds: float | None) -> list:
             f"{store.counts[0].received / seconds:,.0f}", len(store.keys())]
 
 
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def roll_call_rows(counts=(2, 64, 512, 1024)) -> list:
     """The roll call over real TCP on 127.0.0.1: N threads, one of them process 0."""
     from jdp.distributed import _rendezvous
-    from jdp.launch import _net
     rows = []
     for n in counts:
-        port, failed = _net.free_port("127.0.0.1"), []
+        port, failed = _free_port(), []
 
         def process(rank, port=port, n=n, failed=failed):
             try:
@@ -223,10 +230,9 @@ def _service_times(client, calls: int = 2000, keys: int = 16384) -> dict:
 
 def service_row() -> dict:
     """JAX's coordination service on this machine, one process talking to it over 127.0.0.1."""
-    from jdp.launch import _net
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", SERVICE % _net.free_port("127.0.0.1")],
+    done = subprocess.run([sys.executable, "-c", SERVICE % _free_port()],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     line = [x for x in done.stdout.splitlines() if x.startswith("SERVICE ")]
     if not line:

@@ -156,12 +156,14 @@ def test_the_scaling_table_rows_are_counted_not_guessed():
 
 
 ROLL_CALL_UNDER_A_LOW_LIMIT = """
-import resource, sys, threading
+import resource, socket, sys, threading
 from jdp.distributed import _rendezvous
-from jdp.launch import _net
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
-count, port, failed = 100, _net.free_port("127.0.0.1"), []
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+count, failed = 100, []
 
 def process(rank):
     try:
