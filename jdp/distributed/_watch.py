@@ -7,10 +7,10 @@ With JDP_PROGRESS_TIMEOUT=S set and no jdp supervisor around, `jdp.initialize()`
   period and only when it changed, and waits for the stall key with a timed get that ends
   the period (no polling);
 - on process 0 a thread reads every rank's record from the store, once a period, in one
-  directory read; once some rank recorded
-  progress, S seconds without progress on any rank (or a finished rank leaving a peer in a
-  later step) make it ask every rank for its Python stack, print who is behind with those
-  stacks, and end the job: every rank exits with status 124.
+  directory read; once some rank recorded progress, S seconds without progress on any rank
+  (or a finished rank leaving a peer in a later step) make it ask every rank for its Python
+  stack, print who is behind with those stacks, and end the job: every rank exits with
+  status 124.
 
 A rank's own thread takes its stack (`sys._current_frames`), so it shows each frame's source
 line even while the main thread is blocked in a collective, a sleep or a loop. No collective
