@@ -266,13 +266,15 @@ def _node(ranks, wall, lag_of, steps_s=2.0):
 def test_node_0_merges_every_node_into_one_summary_with_job_wide_stragglers():
     lag_of = {0: 0.0, 1: 0.001, 2: 0.002, 3: 0.06}     # rank 3, alone on node 1, is 60 % late
     own, other = _node([0, 1, 2], 10.0, lag_of), _node([3], 8.0, lag_of, steps_s=1.0)
-    merged = _goodput.merge(own, {1: other})
-    assert sorted(merged["ranks"]) == ["0", "1", "2", "3"] and "arrivals" not in merged
+    gone = {**_node([1], 3.0, {1: 0.5}), "last_round": -1}   # a node lost before the last round
+    merged = _goodput.merge(own, {1: {**other, "last_round": 0}, 2: gone})
+    assert sorted(merged["ranks"]) == ["0", "1", "1@node2", "2", "3"], merged["ranks"]
+    assert "arrivals" not in merged
     # node 1's launcher started 2 s later: its rank's missing 2 s are "other"
     assert merged["ranks"]["3"]["buckets_s"]["other"] == pytest.approx(9.0)
     for detail in merged["ranks"].values():
         assert sum(detail["buckets_s"].values()) == pytest.approx(10.0)
-    assert merged["buckets_s"]["steps"] == pytest.approx((3 * 2.0 + 1.0) / 4)
+    assert merged["buckets_s"]["steps"] == pytest.approx((3 * 2.0 + 1.0 + 2.0) / 5)
     assert [s["rank"] for s in merged["stragglers"]] == [3]
     assert merged["stragglers"][0]["lag_s"] == pytest.approx(0.06)
     assert merged["stragglers"][0]["slowest_phase"] == "data"

@@ -345,11 +345,13 @@ def merge(own: dict, others: dict) -> dict:
     nodes = {"0": own, **{str(k): s for k, s in sorted(others.items())}}
     own = {k: v for k, v in own.items() if k != "arrivals"}
     ranks = {}
-    for s in nodes.values():
+    for node, s in nodes.items():
         for rank, detail in s["ranks"].items():
             b = dict(detail["buckets_s"])
             b["other"] = max(0.0, b["other"] + wall - sum(b.values()))
-            ranks[rank] = {**detail, "buckets_s": _rounded(b)}
+            # an elastic job renumbers ranks: one number may have run on two nodes
+            ranks[rank if rank not in ranks else f"{rank}@node{node}"] = {
+                **detail, "buckets_s": _rounded(b)}
     n = max(1, len(ranks))
     total = {k: sum(r["buckets_s"][k] for r in ranks.values()) / n for k in BUCKETS}
     stragglers = _job_stragglers(nodes, ranks)
@@ -359,7 +361,7 @@ def merge(own: dict, others: dict) -> dict:
     return {**own, "buckets_s": _rounded(total),
             "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
             "stragglers": stragglers,
-            "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0]))),
+            "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0].split("@")[0]))),
             "nodes": {k: {key: s[key] for key in ("wall_s", "buckets_s", "goodput", "rounds",
                                                   "lost_steps", "stragglers") if key in s}
                       for k, s in nodes.items()}}
@@ -374,15 +376,17 @@ def _wall_clock_arrivals(times: dict) -> dict:
 
 
 def _job_stragglers(nodes: dict, ranks: dict) -> list | None:
-    """The stragglers among every rank of every node, from the last round's arrivals; None
-    when some node did not send them."""
-    if not all(s.get("arrivals") for s in nodes.values()):
+    """The stragglers among every rank of the nodes in the job's last round (node k's
+    "last_round", noted by node 0's keeper), from their arrivals; None when one sent none."""
+    last = nodes["0"]["rounds"] - 1   # node 0 runs every round
+    present = [s for s in nodes.values() if s.get("last_round", last) == last]
+    if not all(s.get("arrivals") for s in present):
         return None
     arrivals = {int(r): {int(k): at for k, at in a.items()}
-                for s in nodes.values() for r, a in s["arrivals"].items()}
+                for s in present for r, a in s["arrivals"].items()}
     found = Stragglers(sorted(arrivals))
     found.feed({r: types.SimpleNamespace(arrivals=a) for r, a in arrivals.items()})
-    return found.named({int(r): d.get("phases_s", {}) for r, d in ranks.items()})
+    return found.named({int(r): d.get("phases_s", {}) for r, d in ranks.items() if "@" not in r})
 
 
 def write(logdir: str, summary: dict, node: int = 0, writer=None) -> str:

@@ -277,7 +277,7 @@ class Keeper:
                 continue
             ended.add(k)
             if message.get("goodput"):
-                self.goodput[k] = message["goodput"]
+                self.goodput[k] = {**message["goodput"], "last_round": r}
             stopped = stopped or message["state"] == State.STOPPED.value
             if message["state"] == State.SIGNALED.value:
                 signaled = signaled or message
