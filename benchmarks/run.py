@@ -56,7 +56,11 @@ TABLES = [*report.TABLES,
               "checkpoint", lambda r: importlib.import_module(
                   "benchmarks.bench_checkpoint").table())),
           ("13. What the progress records cost a step", selected(
-              "progress", lambda r: importlib.import_module("benchmarks.bench_progress").table()))]
+              "progress", lambda r: importlib.import_module("benchmarks.bench_progress").table())),
+          ("14. Coordination at scale: requests, bytes and time per agreement point, watchdog "
+           "and roll call vs the number of processes", selected(
+              "coordination", lambda r: importlib.import_module(
+                  "benchmarks.bench_coordination").table()))]
 
 
 def measure(workers: dict, settings: dict) -> dict:
@@ -143,7 +147,8 @@ def main(argv=None) -> None:
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
-                   "`input`, `overhead`, `checkpoint` or `progress` for those tables "
+                   "`input`, `overhead`, `checkpoint`, `progress` or `coordination` for those "
+                   "tables "
                    "(default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])

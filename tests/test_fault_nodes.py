@@ -5,11 +5,13 @@ Rank 3 (node 1) is SIGKILLed mid-run: both launchers must report the same first 
 restart round 1, the job must resume from its last checkpoint and finish (both exit 0), and
 no surviving rank may die of JAX's aborts ("different incarnation", SIGABRT).
 """
+import json
 import os
 import signal
 import subprocess
 import time
 
+import pytest
 from conftest import free_port, job_env, job_processes, start_launcher, write_script
 
 TRAIN = """
@@ -88,6 +90,15 @@ def test_a_rank_killed_on_node_1_restarts_every_node_in_one_round(tmp_path, tag)
         assert "FINAL 32" in out, out
         err = (logs / f"rank.{rank}" / "stderr").read_text()
         assert not any(word in err for word in ABORTS), (rank, err[-3000:])
+    # node 0's launcher merged both nodes' goodput: one summary, per-node detail kept
+    summary = json.loads((logs / "summary.json").read_text())
+    assert sorted(summary["ranks"]) == ["0", "1", "2", "3"] and sorted(summary["nodes"]) == [
+        "0", "1"], summary
+    assert sum(summary["buckets_s"].values()) == pytest.approx(summary["wall_s"], rel=0.01)
+    for detail in summary["ranks"].values():
+        assert sum(detail["buckets_s"].values()) == pytest.approx(summary["wall_s"], rel=0.01)
+    assert summary["rounds"] == 2 and len(summary["lost_steps"]) == 1, summary
+    assert summary["buckets_s"]["lost"] > 0 and "on 2 nodes" in texts[0], texts[0][-2000:]
 
 
 def test_losing_a_node_s_launcher_stops_the_job_on_every_node(tmp_path, tag):

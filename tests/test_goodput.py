@@ -139,7 +139,7 @@ def test_a_ranks_buckets_add_up_to_the_round():
               checkpoint=6.0, other=1.0)
     b = _goodput.rank_buckets(t, start=10.0, exited=41.0, end=43.0)
     assert b == {"startup": 5.0, "steps": 14.0, "data": 5.0, "eval": 0.0, "checkpoint": 6.0,
-                 "failures": 0.0, "other": 3.0}
+                 "lost": 0.0, "other": 3.0}
     assert sum(b.values()) == pytest.approx(33.0)
 
 
@@ -177,3 +177,107 @@ def test_stack_dumps_read_as_tracebacks_without_the_launcher(tmp_path):
         f'  File "{script}", line 5, in <module>',
         f'  File "{script}", line 4, in wait',
         "    time.sleep(10)"]
+
+
+def test_a_failed_round_keeps_its_work_up_to_its_last_checkpoint():
+    # started at 10, first record at 12, saved until 30 (then 2 s of compile, 10 of steps,
+    # 1 of data, 5 of checkpoint behind it, step 20), killed at 37 in step 26
+    kept = (30.0, 20, {**dict.fromkeys(_progress.PHASES, 0.0), "compile": 2.0, "step": 10.0,
+                       "data": 1.0, "checkpoint": 5.0})
+    t = times(first=12.0, last=36.5, at=26, compile=2.0, step=15.0, data=1.5,
+              checkpoint=5.0)._replace(kept=kept)
+    b, lost_steps = _goodput.failed_buckets(t, start=10.0, end=37.0)
+    assert b == {"startup": 4.0, "steps": 10.0, "data": 1.0, "eval": 0.0, "checkpoint": 5.0,
+                 "lost": 7.0, "other": 0.0}
+    assert lost_steps == 6
+    # no checkpoint in the round: only the start-up is kept
+    b, lost_steps = _goodput.failed_buckets(t._replace(kept=None), start=10.0, end=37.0)
+    assert (b["startup"], b["lost"], sum(b.values()), lost_steps) == (2.0, 25.0, 27.0, 26)
+
+
+# A 2-rank job that resumes from its checkpoint (every 5 steps); with KILL set, rank 1 kills
+# itself after step 23 in the first round and after step 32 in the second.
+RESUMING = """
+import os, signal, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+import jdp
+
+jdp.initialize()
+attempt, rank = int(os.environ["JDP_RESTART_COUNT"]), jax.process_index()
+state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params={"w": jnp.zeros((16, 16))},
+                                            tx=optax.sgd(0.01)))
+step = jdp.train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2))
+batch = jdp.shard({"x": np.ones((2 * jax.local_device_count(), 16), np.float32)})
+ckpt = jdp.Checkpointer(os.environ["CKPT"])
+state = ckpt.restore(state)
+begin = int(state.step)
+print(f"RESUMED {attempt} {begin}", file=sys.stderr, flush=True)
+for i in range(begin + 1, 41):
+    state, _ = step(state, batch)
+    jax.block_until_ready(state)   # step i done on every rank before rank 1 may die
+    time.sleep(0.05)
+    if i % 5 == 0:
+        ckpt.save(i, state)
+    if os.environ.get("KILL") and rank == 1 and {0: 23, 1: 32}.get(attempt) == i:
+        print(f"KILLED {attempt} {i}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _resuming_job(tmp_path, tag, kill):
+    script = write_script(tmp_path, "resuming.py", RESUMING)
+    logs = tmp_path / f"logs{int(kill)}"
+    env = job_env(tag, CKPT=str(tmp_path / f"ckpt{int(kill)}"), **({"KILL": "1"} if kill else {}))
+    done = subprocess.run([sys.executable, "-m", "jdp.launch", "--nproc_per_node", "2",
+                           "--max_restarts", "2", "--logdir", str(logs), script], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(logs / "summary.json") as f:
+        return json.load(f), done.stderr
+
+
+def test_a_job_killed_twice_counts_only_the_steps_redone_as_lost(tmp_path, tag):
+    calm, _ = _resuming_job(tmp_path, tag, kill=False)
+    hurt, err = _resuming_job(tmp_path, tag, kill=True)
+    said = [line.split(": ", 1)[1].split() for line in err.splitlines()
+            if ": RESUMED " in line or ": KILLED " in line]
+    resumed = {int(a): int(s) for word, a, s in said if word == "RESUMED"}
+    killed = {int(a): int(s) for word, a, s in said if word == "KILLED"}
+    assert sorted(killed) == [0, 1] and sorted(resumed) == [0, 1, 2], err[-3000:]
+    redone = [killed[a] - resumed[a + 1] for a in (0, 1)]     # 23 - 20, 32 - 30
+    print(f"calm {calm['buckets_s']}\nhurt {hurt['buckets_s']} lost steps {hurt['lost_steps']}")
+    assert hurt["lost_steps"] == redone
+    assert f"({sum(redone)} steps redone after 2 failed round(s))" in err, err[-2000:]
+    assert hurt["rounds"] == 3 and hurt["buckets_s"]["lost"] > 0
+    assert sum(hurt["buckets_s"].values()) == pytest.approx(hurt["wall_s"], rel=0.01)
+    assert hurt["buckets_s"]["steps"] == pytest.approx(calm["buckets_s"]["steps"], rel=0.2)
+
+
+def _node(ranks, wall, lag_of, steps_s=2.0):
+    """A node's summary as its launcher sends it: every rank's buckets add up to `wall`;
+    rank r reaches step k at 1000 + 0.1 k + lag_of[r] (wall clock)."""
+    buckets = {**dict.fromkeys(_goodput.BUCKETS, 0.0), "steps": steps_s, "other": wall - steps_s}
+    return {"wall_s": wall, "buckets_s": buckets, "goodput": steps_s / wall, "rounds": 1,
+            "lost_steps": [], "stragglers": [],
+            "ranks": {str(r): {"buckets_s": buckets, "phases_s": {"data": 1.0 + lag_of[r]}}
+                      for r in ranks},
+            "arrivals": {str(r): {str(k): 1000 + 0.1 * k + lag_of[r] for k in range(1, 30)}
+                         for r in ranks}}
+
+
+def test_node_0_merges_every_node_into_one_summary_with_job_wide_stragglers():
+    lag_of = {0: 0.0, 1: 0.001, 2: 0.002, 3: 0.06}     # rank 3, alone on node 1, is 60 % late
+    own, other = _node([0, 1, 2], 10.0, lag_of), _node([3], 8.0, lag_of, steps_s=1.0)
+    gone = {**_node([1], 3.0, {1: 0.5}), "last_round": -1}   # a node lost before the last round
+    merged = _goodput.merge(own, {1: {**other, "last_round": 0}, 2: gone})
+    assert sorted(merged["ranks"]) == ["0", "1", "1@node2", "2", "3"], merged["ranks"]
+    assert "arrivals" not in merged
+    # node 1's launcher started 2 s later: its rank's missing 2 s are "other"
+    assert merged["ranks"]["3"]["buckets_s"]["other"] == pytest.approx(9.0)
+    for detail in merged["ranks"].values():
+        assert sum(detail["buckets_s"].values()) == pytest.approx(10.0)
+    assert merged["buckets_s"]["steps"] == pytest.approx((3 * 2.0 + 1.0 + 2.0) / 5)
+    assert [s["rank"] for s in merged["stragglers"]] == [3]
+    assert merged["stragglers"][0]["lag_s"] == pytest.approx(0.06)
+    assert merged["stragglers"][0]["slowest_phase"] == "data"
+    assert merged["nodes"]["1"]["wall_s"] == 8.0 and "ranks" not in merged["nodes"]["1"]

@@ -1,24 +1,21 @@
 """Who this process is in the job, process 0's values for everyone, and checks that the
 processes agree before a collective that would otherwise hang or mix their values.
 
-Agreement goes through the coordination service's key-value store (timed gets), never a
-device collective: a process that disagrees, or never comes, turns into an error on every
-process, naming what differs and where, instead of a hang.
+Agreement goes through the coordination service's key-value store (timed gets, O(1) requests
+per process: `_agree`), never a device collective: a process that disagrees, or never comes,
+turns into an error on every process, naming what differs and where, instead of a hang.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdp.distributed import _init
+from jdp.distributed import _agree, _init
 from jdp.job import env as _env
 
 _job_checked = False   # require_job passed once: later calls cost one global read
@@ -117,79 +114,14 @@ def agree(topic: str, facts: Sequence[tuple[str, str]], who: str, fix: str,
     """Raise on every process unless all processes passed the same `facts` (name, value).
 
     The n-th call for `topic` on one process meets the n-th call on the others. Each process
-    publishes a hash of its facts and reads everyone's (timed); only on a difference are the
-    facts themselves read, to name the first one that differs and the processes on each side.
-    A process that waits at another agreement point, one this process has not begun, can never
-    come here: that deadlock is named within about a second (see `_get`).
+    makes a constant number of requests to the coordination service whatever the number of
+    processes, and the keys of a finished point are deleted (`_agree`). A difference names
+    the first fact that differs and the processes on each side (ValueError); a process that
+    waits at another agreement point, one this process has not begun, can never come here:
+    that deadlock is named within about a second (RuntimeError).
     """
     client = _init.coordination_client()
     if client is None or jax.process_count() == 1:
         return
-    n = _rounds[topic] = _rounds.get(topic, 0) + 1
-    me, count, prefix = jax.process_index(), jax.process_count(), f"jdp/agree/{topic}/{n}"
-    text = json.dumps([list(f) for f in facts])
-    client.key_value_set(f"{prefix}/facts/{me}", text)
-    client.key_value_set(f"{prefix}/hash/{me}", hashlib.sha256(text.encode()).hexdigest())
-    client.key_value_set(f"jdp/agree/at/{me}", json.dumps([topic, n, who]), allow_overwrite=True)
-    here = _Point(topic, n, who, timeout_s)
-    hashes = [_get(client, f"{prefix}/hash/{r}", here, r) for r in range(count)]
-    if len(set(hashes)) == 1:
-        return
-    groups: dict[str, list[int]] = {}
-    for rank, h in enumerate(hashes):
-        groups.setdefault(h, []).append(rank)
-    ranks_a, ranks_b = list(groups.values())[:2]
-    other = [json.loads(_get(client, f"{prefix}/facts/{r[0]}", here, r[0]))
-             for r in (ranks_a, ranks_b)]
-    name, value_a, value_b = _first_difference(*other)
-    raise ValueError(f"{who}: the processes disagree on {name}: {value_a} on process(es) "
-                     f"{_ranks(ranks_a)} but {value_b} on process(es) {_ranks(ranks_b)}; {fix}")
-
-
-class _Point(NamedTuple):
-    """An agreement point: the n-th call for `topic`, made by `who`."""
-    topic: str
-    n: int
-    who: str
-    timeout_s: float
-
-
-def _get(client: Any, key: str, here: _Point, rank: int) -> str:
-    """Process `rank`'s value of `key`, polled each second; between polls, a `rank` waiting at
-    a point this process has not begun is a deadlock, raised at once."""
-    deadline = time.monotonic() + here.timeout_s
-    while True:
-        wait = max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
-        try:
-            return client.blocking_key_value_get(key, wait)
-        except jax.errors.JaxRuntimeError as e:
-            if "DEADLINE_EXCEEDED" not in str(e):
-                raise
-        me = jax.process_index()
-        try:
-            topic, n, who = json.loads(client.key_value_try_get(f"jdp/agree/at/{rank}"))
-        except jax.errors.JaxRuntimeError:  # not found: it has waited at no agreement point
-            topic, n, who = None, 0, None
-        if topic is not None and _rounds.get(topic, 0) < n:
-            raise RuntimeError(
-                f"{here.who}: process {me} waits here (call {here.n}) while process {rank} waits "
-                f"in {who} (call {n}), which process {me} has not reached: the processes took "
-                "different paths through the program; make every process make the same jdp "
-                "calls in the same order")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{here.who}: process {rank} did not reach this call within "
-                               f"{here.timeout_s:g} s (process {me} waited): it is slow, stuck, "
-                               "dead or takes another path through the program")
-
-
-def _first_difference(a: list, b: list) -> tuple[str, str, str]:
-    """(name, value in a, value in b) of the first fact that differs ('absent' if missing)."""
-    da, db = dict(map(tuple, a)), dict(map(tuple, b))
-    for name in [k for k, _ in a] + [k for k, _ in b]:
-        if da.get(name) != db.get(name):
-            return name or "<root>", da.get(name, "absent"), db.get(name, "absent")
-    return "the order of the leaves", str([k for k, _ in a][:4]), str([k for k, _ in b][:4])
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    _agree.agree_in_store(client, _agree.Process(jax.process_index(), jax.process_count(),
+                                                 _rounds), topic, facts, who, fix, timeout_s)

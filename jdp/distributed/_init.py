@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -199,7 +198,8 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
             if problem := _net.port_problem(host, port):
                 raise ValueError(problem)
             bind = plan.coordinator  # this interface only, not every interface of the host
-        timeout = _roll_call(host, port, plan, initialization_timeout)
+        timeout = _rendezvous.roll_call(host, port, plan.process_id, plan.num_processes,
+                                        initialization_timeout)
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         # The preemption service catches SIGTERM (a child outlived it by > 4 s): the launcher
         # stops ranks with SIGTERM, so it must stay off unless the user asks for it.
@@ -238,16 +238,6 @@ def _start_watchdog(env: Mapping[str, str]) -> None:
                          f"e.g. {_env.PROGRESS_TIMEOUT}=600")
     state = _jax_distributed.global_state
     _watch.start(state.client, state.process_id, state.num_processes, seconds)
-
-
-def _roll_call(host: str, port: int, plan: _Plan, timeout: int) -> int:
-    """Every process reports to process 0 (`_rendezvous`) before JAX's join; the seconds left."""
-    start = time.monotonic()
-    if plan.process_id == 0:
-        _rendezvous.gather(host, port, plan.num_processes, timeout)
-    else:
-        _rendezvous.report(host, port, plan.process_id, timeout)
-    return max(1, int(timeout - (time.monotonic() - start) + 0.999))
 
 
 def _abort_hint(plan: _Plan, timeout: int) -> threading.Timer:

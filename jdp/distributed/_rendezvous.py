@@ -6,6 +6,10 @@ on the coordinator port itself, before JAX's coordinator listens there, in jdp's
 format (`jdp.job.net`: {"rank": k}, answered by {"go": true} once all have reported);
 process 0 raises TimeoutError naming the processes that did not. The port is then handed to
 JAX's coordinator (whose clients retry until it listens).
+
+Cost: one connection and two small messages per process; process 0 holds the N - 1
+connections until all have reported (it raises its open-file limit to fit), so N file
+descriptors there for the roll call's few seconds, nothing afterwards.
 """
 from __future__ import annotations
 
@@ -13,7 +17,35 @@ import time
 
 from jdp.job import net as _net
 
+try:
+    import resource
+except ImportError:   # not on Windows: there the open-file limit stays as it is
+    resource = None
+
 _HELLO_S = 2.0          # how long a connection may take to say which process it is
+
+
+def roll_call(host: str, port: int, rank: int, world: int, timeout_s: float) -> int:
+    """Every process reports to process 0 before JAX's join; the whole seconds left of
+    `timeout_s` (at least 1), for the join itself."""
+    start = time.monotonic()
+    if rank == 0:
+        gather(host, port, world, timeout_s)
+    else:
+        report(host, port, rank, timeout_s)
+    return max(1, int(timeout_s - (time.monotonic() - start) + 0.999))
+
+
+def _room_for(connections: int) -> None:
+    """Raise this process's soft open-file limit towards the hard one when `connections`
+    (and a margin for JAX's own files) would not fit: 1,024 is a common soft default."""
+    if resource is None:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        top = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, top), hard))
 
 
 def gather(host: str, port: int, world: int, timeout_s: float) -> None:
@@ -21,6 +53,7 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> None:
     TimeoutError naming the processes that did not report within `timeout_s`."""
     joined: dict = {}
     deadline = time.monotonic() + timeout_s
+    _room_for(world)
     with _net.listen(host, port, world + 8) as server:
         try:
             while len(joined) < world - 1:

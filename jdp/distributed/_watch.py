@@ -3,16 +3,23 @@
 With JDP_PROGRESS_TIMEOUT=S set and no jdp supervisor around, `jdp.initialize()` starts it:
 
 - on every rank a thread publishes what `_progress.record` noted (count, step, phase: the slot
-  lives in this process's memory) to JAX's coordination-service key-value store, about twice
-  a second and only when it changed;
-- on process 0 a thread reads every rank's record from the store; once some rank recorded
-  progress, S seconds without progress on any rank (or a finished rank leaving a peer in a
-  later step) make it ask every rank for its Python stack, print who is behind with those
-  stacks, and end the job: every rank exits with status 124.
+  lives in this process's memory) to JAX's coordination-service key-value store, once a
+  period and only when it changed, and waits for the stall key with a timed get that ends
+  the period (no polling);
+- on process 0 a thread reads every rank's record from the store, once a period, in one
+  directory read; once some rank recorded progress, S seconds without progress on any rank
+  (or a finished rank leaving a peer in a later step) make it ask every rank for its Python
+  stack, print who is behind with those stacks, and end the job: every rank exits with
+  status 124.
 
 A rank's own thread takes its stack (`sys._current_frames`), so it shows each frame's source
 line even while the main thread is blocked in a collective, a sleep or a loop. No collective
 runs: the store is the coordinator's RPC service, which JAX's heartbeats already use.
+
+The period is a twentieth of S, within [EVERY_S, MAX_EVERY_S]: the watchdog's resolution stays
+about 5 % of its timeout, and each rank costs the coordinator at most two small requests a
+period whatever the number of processes (process 0's read is O(N) bytes a period); the store
+holds one progress key per rank (a stack key more per rank behind, after a stall).
 """
 from __future__ import annotations
 
@@ -27,22 +34,29 @@ from jdp.job import watchdog as _watchdog
 
 KEY = "jdp/watch/"
 EVERY_S = 0.5
+MAX_EVERY_S = 5.0
 STACK_WAIT_S = 5.0       # for the ranks' stacks
 EXIT_WAIT_S = 1.5        # process 0 leaves last, so the others see the exit key first
+
+
+def period(timeout_s: float) -> float:
+    """Seconds between a rank's publications for a watchdog of `timeout_s` (see above)."""
+    return min(MAX_EVERY_S, max(EVERY_S, timeout_s / 20))
 
 
 def start(client, rank: int, world: int, timeout_s: float) -> None:
     """Start this rank's publisher (and process 0's watcher) as daemon threads."""
     slot = _progress.memory_slot()
     main = threading.main_thread()
-    threading.Thread(target=_publish, args=(client, rank, slot, main), daemon=True,
+    every = period(timeout_s)
+    threading.Thread(target=_publish, args=(client, rank, slot, main, every), daemon=True,
                      name="jdp-progress").start()
     if rank == 0:
-        threading.Thread(target=_watch, args=(client, world, timeout_s), daemon=True,
+        threading.Thread(target=_watch, args=(client, world, timeout_s, every), daemon=True,
                          name="jdp-watchdog").start()
 
 
-def _publish(client, rank: int, slot, main: threading.Thread) -> None:
+def _publish(client, rank: int, slot, main: threading.Thread, every: float = EVERY_S) -> None:
     """Publish this rank's progress; on a stall, its stack; on the exit key, leave (124)."""
     seen = None
     try:
@@ -52,34 +66,35 @@ def _publish(client, rank: int, slot, main: threading.Thread) -> None:
                 seen = (count, step, code)
                 client.key_value_set(f"{KEY}progress/{rank}", f"{count} {step} {code}",
                                      allow_overwrite=True)
-            if _present(client, f"{KEY}stall"):
+            if _wait_for(client, f"{KEY}stall", every):   # the period's wait
                 frame = sys._current_frames().get(main.ident)
                 text = _watchdog.frame_summary(frame) if frame is not None else "(no stack)"
                 client.key_value_set(f"{KEY}stack/{rank}", text, allow_overwrite=True)
                 _run.leave_with(_outcome.EXIT_STALLED)
-                while not _present(client, f"{KEY}exit"):
-                    time.sleep(EVERY_S / 5)
+                _wait_for(client, f"{KEY}exit", STACK_WAIT_S + 30.0)   # process 0 reports
                 _run.exit_now(_outcome.EXIT_STALLED)
-            time.sleep(EVERY_S)
     except Exception:   # the coordination service is gone (the job is ending): stop watching
         return
 
 
-def _present(client, key: str) -> bool:
+def _wait_for(client, key: str, seconds: float) -> bool:
+    """True once `key` exists, False after `seconds` without it (one timed request)."""
     try:
-        client.key_value_try_get(key)
+        client.blocking_key_value_get(key, max(1, int(1000 * seconds)))
         return True
-    except Exception:   # NOT_FOUND
-        return False
+    except Exception as e:
+        if "DEADLINE_EXCEEDED" in str(e):
+            return False
+        raise
 
 
-def _watch(client, world: int, timeout_s: float) -> None:
+def _watch(client, world: int, timeout_s: float, every: float = EVERY_S) -> None:
     """Process 0: read every rank's progress; on a stall, report and end the job."""
     seen: dict = {}
     last_move = None
     try:
         while True:
-            time.sleep(EVERY_S)
+            time.sleep(every)
             now = time.monotonic()
             for key, value in client.key_value_dir_get(f"{KEY}progress/"):
                 rank = int(key.rsplit("/", 1)[1])

@@ -35,7 +35,11 @@ HEAD = struct.Struct("<QqB7xd")
 FIRST_AT, ACC_AT = HEAD.size, HEAD.size + 8
 RING = 64
 RING_AT = ACC_AT + 8 * (COMPILE + 1)
-SLOT_SIZE = RING_AT + 8 * RING
+# When the last checkpoint save or restore ended: its time, the steps run, the seconds per
+# phase then (goodput keeps a failed round's work up to there and counts the rest lost).
+KEPT = struct.Struct(f"<dq{COMPILE + 1}d")
+KEPT_AT = RING_AT + 8 * RING
+SLOT_SIZE = KEPT_AT + KEPT.size
 _DOUBLE = struct.Struct("<d")
 DUPLICATE_SIGTERM_S = 1.0       # a SIGTERM this soon after the first is the same request
 _CODES = {name: i for i, name in enumerate(PHASES)}
@@ -69,6 +73,8 @@ def record(phase: str, step: int | None = None) -> None:
     if _count:
         _acc[_charge] += now - _last
         _DOUBLE.pack_into(slot, ACC_AT + 8 * _charge, _acc[_charge])
+        if _charge == _CODES["checkpoint"] and phase != "checkpoint":   # a save ended
+            KEPT.pack_into(slot, KEPT_AT, now, _step, *_acc)
     else:
         _DOUBLE.pack_into(slot, FIRST_AT, now)
     code = _CODES.get(phase, 5)

@@ -83,9 +83,10 @@ stuck ranks (--progress_timeout S, or JDP_PROGRESS_TIMEOUT=S): jdp's steps, Load
   waits in step 4") and the job stops the same way.
 
 goodput: at the end (and before a restart) one line says where the wall time went (start-up
-  and compilation, steps, data, eval, checkpoints, failures, other) and names stragglers,
+  and compilation, steps, data, eval, checkpoints, lost work, other) and names stragglers,
   ranks that reach each step late (also warned while running, at most once a minute); with
-  --logdir DIR also DIR/summary.json and DIR/goodput (TensorBoard). See docs/watching.md.
+  --logdir DIR also DIR/summary.json (on node 0: the whole job's, merged from every node's)
+  and DIR/goodput (TensorBoard). See docs/watching.md.
 
 stop requests (preemption): SIGTERM to the launcher is forwarded to every rank; a loop that
   asks jdp.preempted() sees it at the same step on every rank, saves and leaves. Ranks still
@@ -303,7 +304,7 @@ def launch(args: argparse.Namespace) -> int:
         rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
         ledger = _goodput.Ledger(WHO, args.logdir, args.node_rank)   # where the time went
         status = _rounds.run(job, args.max_restarts, rdzv, run_round, args.min_nodes,
-                             args.rdzv_timeout)
+                             args.rdzv_timeout, ledger)
         ledger.finish()
         return status
 

@@ -7,16 +7,19 @@ module turns them into
 
 - **buckets** that add up to the wall time: start-up and compilation (from the launch to a
   rank's first record, plus the first call of each jitted step), training steps, waiting for
-  data, evaluation, checkpoints, failures and restarts (every round that ended in a failure,
-  and the pause after it), and other (the rest: the user's own code between jdp calls, the
-  launcher's own work, a rank that finished waiting for its peers);
+  data, evaluation, checkpoints, lost work (in a round that ended in a failure, the work
+  after its last complete checkpoint, which the next round redoes, and the pause before the
+  restart: the rest of that round is split like any other), and other (the rest: the user's
+  own code between jdp calls, the launcher's own work, a rank that finished waiting for its
+  peers);
 - **stragglers**: a rank whose median lag in reaching a step, behind the first rank there,
   exceeds STRAGGLER_FRACTION of the median step time (and MIN_LAG_S), with its lag and its
   slowest phase
   (the phase where it spends the most time beyond the other ranks' median).
 
 `Ledger` keeps a job's rounds; `summary` is what goes to LOGDIR/summary.json and `line` the
-one `goodput` line the launcher prints.
+one `goodput` line the launcher prints; on a job of several nodes, `merge` makes node 0's
+summary the job's from every node's.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from typing import NamedTuple
 
 from jdp.job import progress as _progress
@@ -34,11 +38,11 @@ STRAGGLER_FRACTION = 0.2   # median lag / median step time that names a straggle
 MIN_LAG_S = 0.01           # and by at least this much: below, it is scheduling noise
 MIN_STEPS = 5              # steps seen on every rank before anyone is named
 WARN_EVERY_S = 60.0        # at most one straggler warning a minute while the job runs
-BUCKETS = ("startup", "steps", "data", "eval", "checkpoint", "failures", "other")
+BUCKETS = ("startup", "steps", "data", "eval", "checkpoint", "lost", "other")
 _PHASE_BUCKET = {"start": "other", "step": "steps", "data": "data", "eval": "eval",
                  "checkpoint": "checkpoint", "other": "other", "done": "other"}
 _LABELS = {"startup": "start-up+compile", "steps": "steps", "data": "data", "eval": "eval",
-           "checkpoint": "checkpoints", "failures": "failures", "other": "other"}
+           "checkpoint": "checkpoints", "lost": "lost work", "other": "other"}
 
 
 class RankTimes(NamedTuple):
@@ -50,6 +54,7 @@ class RankTimes(NamedTuple):
     last: float
     seconds: dict              # phase (and "compile") -> seconds, closed intervals only
     arrivals: dict             # step -> time.monotonic() it was reached (the last RING steps)
+    kept: tuple | None = None  # the last checkpoint's end: (time, steps run, seconds)
 
 
 def read(path: str) -> RankTimes | None:
@@ -67,9 +72,15 @@ def read(path: str) -> RankTimes | None:
         if t > 0:
             arrivals[k] = t
     phases = _progress.PHASES
+    at, kept_step, *kept_acc = _progress.KEPT.unpack_from(data, _progress.KEPT_AT)
     return RankTimes(count, step, phases[code] if code < len(phases) else "other", first,
-                     last, {**dict(zip(phases, acc, strict=False)), "compile": acc[-1]},
-                     arrivals)
+                     last, _seconds(acc), arrivals,
+                     (at, kept_step, _seconds(kept_acc)) if at > 0 else None)
+
+
+def _seconds(acc: list) -> dict:
+    """Phase (and "compile") -> seconds, from the slot's accumulators."""
+    return {**dict(zip(_progress.PHASES, acc, strict=False)), "compile": acc[-1]}
 
 
 class Stragglers:
@@ -152,6 +163,23 @@ def rank_buckets(t: RankTimes | None, start: float, exited: float, end: float) -
     return out
 
 
+def failed_buckets(t: RankTimes | None, start: float, end: float) -> tuple[dict, int]:
+    """One rank's buckets over a round [start, end] that ended in a failure, and the steps it
+    ran after its last complete checkpoint: the work up to that checkpoint is split like any
+    round's, the rest is lost work (the next round, resuming from it, does it again)."""
+    if t is None or t.count == 0:
+        return {**dict.fromkeys(BUCKETS, 0.0), "lost": end - start}, 0
+    if t.kept is None or t.kept[0] < start:   # no checkpoint: only the start-up is kept
+        kept_at, kept_step, seconds = t.first, 0, dict.fromkeys(t.seconds, 0.0)
+    else:
+        kept_at, kept_step, seconds = t.kept
+    kept_at = min(kept_at, end)
+    upto = t._replace(last=kept_at, phase="other", seconds=seconds)
+    out = rank_buckets(upto, start, kept_at, kept_at)
+    out["lost"] = end - kept_at
+    return out, max(0, t.step - max(kept_step, 0))
+
+
 class Ledger:
     """A job's rounds, as one node's supervisor saw them; prints and writes the summary."""
 
@@ -164,6 +192,9 @@ class Ledger:
         self.detail: dict = {}            # rank -> phase seconds (the last round)
         self.stragglers: list = []
         self.rounds = 0
+        self.lost_steps: list = []        # per failed round: the steps run after its checkpoint
+        self.nodes: dict = {}             # node 0: node k -> node k's summary (`merge`)
+        self.arrivals: dict = {}          # the last round's, on the wall clock (`merge`)
         self._round: tuple | None = None  # (start, slots, Stragglers, exits)
         self._next_warning = 0.0
         self._end = self.start
@@ -212,17 +243,23 @@ class Ledger:
         times = self._read()
         stragglers.feed(times)
         self._add_gap(start)
+        lost_steps = []
         for rank in slots:
             t = times.get(rank)
-            b = rank_buckets(t, start, min(exits.get(rank, now), now), now)
             if failed:
-                b = {**dict.fromkeys(BUCKETS, 0.0), "failures": now - start}
+                b, lost = failed_buckets(t, start, now)
+                lost_steps.append(lost)
+            else:
+                b = rank_buckets(t, start, min(exits.get(rank, now), now), now)
             self._add(rank, b)
             if t is not None:
                 self.detail[rank] = {**t.seconds, "steps_run": max(t.step, 0)}
         self.stragglers = stragglers.named({r: t.seconds for r, t in times.items()}) or (
             self.stragglers if failed else [])
         self.rounds += 1
+        self.arrivals = _wall_clock_arrivals(times)
+        if failed:   # the steps every rank ran (one ahead may have begun a step it never ends)
+            self.lost_steps.append(min(lost_steps, default=0))
         self._end, self._failed_last, self._round = now, failed, None
 
     def _add(self, rank: int, buckets: dict) -> None:
@@ -234,10 +271,18 @@ class Ledger:
         """The time between the previous round's end (or the job's start) and this round."""
         gap = max(0.0, start - self._end)
         for rank in self.per_rank:   # the first round's gap is "other" (see summary)
-            self.per_rank[rank]["failures" if self._failed_last else "other"] += gap
+            self.per_rank[rank]["lost" if self._failed_last else "other"] += gap
 
-    def summary(self) -> dict:
-        """{"wall_s", "buckets_s", "goodput", "stragglers", "ranks": {rank: detail}}."""
+    def summary(self, arrivals: bool = False) -> dict:
+        """{"wall_s", "buckets_s", "goodput", "rounds", "lost_steps" (per failed round),
+        "stragglers", "ranks": {rank: detail}}; on node 0 of several, the job's (`merge`).
+        With `arrivals`, also the last round's step arrivals (what node k sends node 0)."""
+        own = self._own_summary()
+        if arrivals:
+            own["arrivals"] = self.arrivals
+        return merge({**own, "arrivals": self.arrivals}, self.nodes) if self.nodes else own
+
+    def _own_summary(self) -> dict:
         now = time.monotonic()
         wall = now - self.start
         ranks = {}
@@ -250,7 +295,8 @@ class Ledger:
         total = {k: sum(r["buckets_s"][k] for r in ranks.values()) / n for k in BUCKETS}
         return {"wall_s": round(wall, 3), "buckets_s": _rounded(total),
                 "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
-                "rounds": self.rounds, "stragglers": self.stragglers,
+                "rounds": self.rounds, "lost_steps": self.lost_steps,
+                "stragglers": self.stragglers,
                 "ranks": {str(r): d for r, d in ranks.items()}}
 
     def line(self, summary: dict | None = None) -> str:
@@ -258,8 +304,12 @@ class Ledger:
         s = summary or self.summary()
         b = s["buckets_s"]
         parts = ", ".join(f"{_LABELS[k]} {b[k]:.1f} s" for k in BUCKETS)
+        if s.get("lost_steps"):
+            parts += (f" ({sum(s['lost_steps'])} steps redone after {len(s['lost_steps'])} "
+                      "failed round(s))")
+        nodes = f" on {len(s['nodes'])} nodes" if "nodes" in s else ""
         text = (f"{self.who}: goodput {100 * s['goodput']:.1f} % of {s['wall_s']:.1f} s "
-                f"wall: {parts}")
+                f"wall{nodes}: {parts}")
         if s["stragglers"]:
             text += "; " + "; ".join(
                 f"straggler rank {x['rank']} ({x['lag_s']:.3g} s behind per step, "
@@ -280,6 +330,63 @@ class Ledger:
         if self.logdir:
             write(self.logdir, s, self.node, self._writer)
         return s
+
+
+def merge(own: dict, others: dict) -> dict:
+    """Node 0's summary and the other nodes' (node -> summary) as the job's one summary.
+
+    Each node measured its own ranks on its own clock; only durations cross nodes. A rank of a
+    node whose launcher started later (or whose last report came earlier) than node 0's gets
+    the difference as "other", so every rank's buckets add up to the job's wall time (node
+    0's), and the job's buckets are the mean over all ranks. Stragglers are every node's,
+    slowest first; "nodes" keeps each node's own wall time, buckets and stragglers.
+    """
+    wall = own["wall_s"]
+    nodes = {"0": own, **{str(k): s for k, s in sorted(others.items())}}
+    own = {k: v for k, v in own.items() if k != "arrivals"}
+    ranks = {}
+    for node, s in nodes.items():
+        for rank, detail in s["ranks"].items():
+            b = dict(detail["buckets_s"])
+            b["other"] = max(0.0, b["other"] + wall - sum(b.values()))
+            # an elastic job renumbers ranks: one number may have run on two nodes
+            ranks[rank if rank not in ranks else f"{rank}@node{node}"] = {
+                **detail, "buckets_s": _rounded(b)}
+    n = max(1, len(ranks))
+    total = {k: sum(r["buckets_s"][k] for r in ranks.values()) / n for k in BUCKETS}
+    stragglers = _job_stragglers(nodes, ranks)
+    if stragglers is None:   # some node sent no arrivals: each node's own, slowest first
+        stragglers = sorted((x for s in nodes.values() for x in s["stragglers"]),
+                            key=lambda x: -x["lag_s"])
+    return {**own, "buckets_s": _rounded(total),
+            "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
+            "stragglers": stragglers,
+            "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0].split("@")[0]))),
+            "nodes": {k: {key: s[key] for key in ("wall_s", "buckets_s", "goodput", "rounds",
+                                                  "lost_steps", "stragglers") if key in s}
+                      for k, s in nodes.items()}}
+
+
+def _wall_clock_arrivals(times: dict) -> dict:
+    """rank -> {step: when it was reached}, on the wall clock (which the nodes share, to NTP's
+    precision: milliseconds), not this node's monotonic one."""
+    offset = time.time() - time.monotonic()
+    return {str(r): {str(k): at + offset for k, at in t.arrivals.items()}
+            for r, t in times.items()}
+
+
+def _job_stragglers(nodes: dict, ranks: dict) -> list | None:
+    """The stragglers among every rank of the nodes in the job's last round (node k's
+    "last_round", noted by node 0's keeper), from their arrivals; None when one sent none."""
+    last = nodes["0"]["rounds"] - 1   # node 0 runs every round
+    present = [s for s in nodes.values() if s.get("last_round", last) == last]
+    if not all(s.get("arrivals") for s in present):
+        return None
+    arrivals = {int(r): {int(k): at for k, at in a.items()}
+                for s in present for r, a in s["arrivals"].items()}
+    found = Stragglers(sorted(arrivals))
+    found.feed({r: types.SimpleNamespace(arrivals=a) for r, a in arrivals.items()})
+    return found.named({int(r): d.get("phases_s", {}) for r, d in ranks.items() if "@" not in r})
 
 
 def write(logdir: str, summary: dict, node: int = 0, writer=None) -> str:

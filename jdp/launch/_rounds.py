@@ -11,7 +11,8 @@ MASTER_ADDR:--rdzv_port.
     launcher -> keeper   {"node": k, "host": h, "nproc": p}           once, on connecting
     keeper -> launcher   {"start": r, "report": text | null, "round": text | null,
                           "node_rank": d, "nnodes": n, "first_rank": f, "world": w}
-    launcher -> keeper   {"end": r, "state": S, "status": n, "report": text | null}
+    launcher -> keeper   {"end": r, "state": S, "status": n, "report": text | null,
+                          "goodput": summary | null}
     keeper -> launchers  {"stop": r}                                  another node failed
     keeper -> launchers  {"drain": r}                                 a node waits to join
     keeper -> launchers  {"exit": status, "report": text | null}      the job is over
@@ -19,9 +20,10 @@ MASTER_ADDR:--rdzv_port.
 k is the launcher's --node_rank, its name for the whole job; d is its NODE_RANK in round r:
 the nodes present are numbered densely in the order of k (node 0, which runs process 0's
 coordinator, is always d=0), and their ranks follow one another from f. S is an
-`_outcome.State` value. A round's report (the first failure's, formatted where it happened)
-and its summary line reach every launcher with the next "start" or the "exit", so every node
-prints the same lines once.
+`_outcome.State` value; node k > 0 sends its goodput summary so far (`_goodput`), which node
+0's launcher merges into the job's one summary. A round's report (the first failure's,
+formatted where it happened) and its summary line reach every launcher with the next "start"
+or the "exit", so every node prints the same lines once.
 
 Membership. A launcher that vanishes counts as a failure of its node (it is *lost*). With a
 fixed --nnodes N the next round waits (up to JOIN_TIMEOUT_S) for a launcher of every node.
@@ -75,7 +77,7 @@ class Member(NamedTuple):
 
 def run(job: Job, max_restarts: int, rdzv: tuple | None,
         run_round: Callable[[int, Round], Outcome], min_nodes: int | None = None,
-        rdzv_timeout_s: float = RDZV_TIMEOUT_S) -> int:
+        rdzv_timeout_s: float = RDZV_TIMEOUT_S, ledger=None) -> int:
     """This node's part of the job: run the rounds the keeper starts; the exit status.
 
     Args:
@@ -88,6 +90,8 @@ def run(job: Job, max_restarts: int, rdzv: tuple | None,
         min_nodes: elastic --nnodes MIN:MAX: the fewest nodes a round may start with (None:
             fixed, every node).
         rdzv_timeout_s: elastic: how long a round waits for MAX nodes once MIN are there.
+        ledger: this node's `_goodput.Ledger`: node k > 0 sends its summary at each round's
+            end; on node 0 it receives the other nodes' last ones (`ledger.nodes`).
     """
     nodes = (job.nnodes if min_nodes is None else min_nodes, job.nnodes)
     keeper = Keeper(nodes, max_restarts, rdzv, rdzv_timeout_s) if job.node == 0 else None
@@ -100,13 +104,15 @@ def run(job: Job, max_restarts: int, rdzv: tuple | None,
             return 1
         hello = {"node": job.node, "host": socket.gethostname(),
                  "nproc": job.world // job.nnodes}
-        return _follow(Link(conn, hello), job, run_round)
+        return _follow(Link(conn, hello), job, run_round, ledger)
     finally:
         if keeper is not None:
             keeper.close()
+            if ledger is not None:
+                ledger.nodes = dict(keeper.goodput)
 
 
-def _follow(link: Link, job: Job, run_round: Callable) -> int:
+def _follow(link: Link, job: Job, run_round: Callable, ledger=None) -> int:
     """Run each round the keeper starts; print its reports; return its exit status."""
     own_signal = None
     try:
@@ -125,7 +131,9 @@ def _follow(link: Link, job: Job, run_round: Callable) -> int:
                 own_signal = outcome.detail.signal
             seen_as = job._replace(world=place.world, nnodes=place.nnodes, node=place.node_rank)
             link.send({"end": r, "state": outcome.state.value, "status": exit_status(outcome),
-                       "report": report(outcome, seen_as) or None})
+                       "report": report(outcome, seen_as) or None,
+                       "goodput": ledger.summary(arrivals=True) if ledger and job.node
+                       else None})
     finally:
         link.conn.close()
 
@@ -143,6 +151,7 @@ class Keeper:
         self.rdzv_timeout_s = rdzv_timeout_s
         self.events: queue.Queue = queue.Queue()   # (connection, message or None at its end)
         self.nodes: dict = {}                      # --node_rank -> Member, connected now
+        self.goodput: dict = {}                    # --node_rank k > 0 -> its last summary
         self.server = None if address is None else _net.listen(*address, self.max_nodes + 4)
         if self.server is not None:
             threading.Thread(target=self._accept, daemon=True).start()
@@ -267,6 +276,8 @@ class Keeper:
             elif k is None or message.get("end") != r:
                 continue
             ended.add(k)
+            if message.get("goodput"):
+                self.goodput[k] = {**message["goodput"], "last_round": r}
             stopped = stopped or message["state"] == State.STOPPED.value
             if message["state"] == State.SIGNALED.value:
                 signaled = signaled or message

@@ -1,0 +1,208 @@
+"""Agreement points in the coordination service's key-value store, at O(1) requests a process.
+
+An agreement point is the n-th call of `jdp.distributed._group.agree` for one topic ("broadcast",
+"loader", "checkpoint-save"): every process must have passed the same facts. Per point each
+process makes four requests: it notes where it waits (`at/RANK`, overwritten: one key per
+process for the whole job), sets a 32-character hash of its facts, increments the point's
+arrival counter, and waits for the point's verdict. The process whose increment makes the
+count whole reads every hash at once (one directory read), writes the verdict (agreed, or the
+two first groups of processes that differ) and deletes the hashes and the previous point's
+keys, so the store holds the `at` keys and one point per topic whatever the job's length.
+Only on a difference are facts sent, by one process on each side, to name the first fact
+that differs.
+
+Nothing waits forever: while a process waits for a verdict it looks, once every `poll_s`,
+where process 0 waits; process 0 looks where the missing processes wait (one directory
+read). A process that waits at a point this one has not begun means the processes took
+different paths through the program: that deadlock is named at once, and a process that
+never comes is named after `timeout_s`. Process 0 writes such a finding as the verdict, so
+every process raises the same error.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+PREFIX = "jdp/agree/"
+POLL_S = 1.0
+SHOWN = 8             # ranks named per side of a difference
+
+
+class Process(NamedTuple):
+    """One process of the job as agreement sees it; `rounds` counts the points it began, per
+    topic, so the n-th call for a topic on one process meets the n-th on the others."""
+    rank: int
+    count: int
+    rounds: dict
+
+
+class _Point(NamedTuple):
+    topic: str
+    n: int
+    who: str
+    keys: str         # this point's key directory, ending in "/"
+    deadline: float
+
+
+_ERRORS = {"RuntimeError": RuntimeError, "TimeoutError": TimeoutError}
+
+
+def agree_in_store(client: Any, me: Process, topic: str, facts: Sequence[tuple[str, str]],
+                   who: str, fix: str, timeout_s: float, poll_s: float = POLL_S) -> None:
+    """Raise on every process unless all passed the same `facts` (see the module docstring).
+
+    `client` is JAX's coordination client or anything with its key-value methods (the
+    counting double in `_memstore`).
+    """
+    n = me.rounds[topic] = me.rounds.get(topic, 0) + 1
+    here = _Point(topic, n, who, f"{PREFIX}{topic}/{n}/", time.monotonic() + timeout_s)
+    text = json.dumps([list(f) for f in facts])
+    client.key_value_set(f"{PREFIX}at/{me.rank}", json.dumps([topic, n, who]),
+                         allow_overwrite=True)
+    client.key_value_set(f"{here.keys}hash/{me.rank}",
+                         hashlib.sha256(text.encode()).hexdigest()[:32])
+    if int(client.key_value_increment(f"{here.keys}arrived", 1)) == me.count:
+        _judge(client, here)
+    verdict = _verdict(client, me, here, timeout_s, poll_s)
+    if "error" in verdict:
+        raise _ERRORS[verdict["error"]](verdict["message"])
+    if "differ" in verdict:
+        _name_difference(client, me, here, text, verdict["differ"], fix, timeout_s)
+
+
+def _judge(client: Any, here: _Point) -> None:
+    """The last process to arrive: compare every hash, write the verdict, delete what no
+    process will read again (this point's hashes, the previous point's keys)."""
+    groups: dict[str, list[int]] = {}
+    for key, digest in client.key_value_dir_get(f"{here.keys}hash/"):
+        groups.setdefault(digest, []).append(int(key.rsplit("/", 1)[1]))
+    sides = sorted((sorted(ranks) for ranks in groups.values()), key=lambda r: r[0])
+    verdict = {"agreed": True} if len(sides) == 1 else {
+        "differ": [[side[:SHOWN + 1], len(side)] for side in sides[:2]]}
+    _publish(client, here, verdict)
+    client.key_value_delete(f"{here.keys}hash/")
+    if here.n > 1:   # every process has left that point: it has arrived at this one
+        client.key_value_delete(f"{PREFIX}{here.topic}/{here.n - 1}/")
+
+
+def _publish(client: Any, here: _Point, verdict: dict) -> None:
+    """Write the verdict once (a second finding of the same point keeps the first)."""
+    try:
+        client.key_value_set(f"{here.keys}verdict", json.dumps(verdict))
+    except Exception as e:  # noqa: BLE001 - ALREADY_EXISTS: another process judged first
+        if "ALREADY_EXISTS" not in str(e):
+            raise
+
+
+def _verdict(client: Any, me: Process, here: _Point, timeout_s: float, poll_s: float) -> dict:
+    """This point's verdict, waited for in slices of `poll_s`; between them, look for a
+    deadlock or a process that never comes (see `_look`)."""
+    late = 2 * poll_s + 1.0   # the others wait a little longer than process 0, which names
+    while True:               # the missing processes
+        left = here.deadline + (0 if me.rank == 0 else late) - time.monotonic()
+        try:
+            return json.loads(client.blocking_key_value_get(
+                f"{here.keys}verdict", max(1, int(1000 * min(poll_s, max(left, 0.001))))))
+        except Exception as e:  # noqa: BLE001 - JAX raises JaxRuntimeError for both
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+        if (found := _look(client, me, here, timeout_s, left <= 0)) is not None:
+            return found
+
+
+def _look(client: Any, me: Process, here: _Point, timeout_s: float, late: bool) -> dict | None:
+    """An error verdict when a process this one waits for waits elsewhere or timed out."""
+    if me.rank != 0:
+        at = _at(client, 0)
+        if at is not None and _not_begun(me, at):
+            return _error("RuntimeError", _deadlock(here, me.rank, 0, at))
+        if not late:
+            return None
+        return _error("TimeoutError", f"{here.who}: the processes did not all reach this call "
+                      f"within {timeout_s:g} s (process {me.rank} waited; process 0, which "
+                      "names the missing ones, did not answer)")
+    arrived = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"{here.keys}hash/")}
+    missing = [r for r in range(me.count) if r not in arrived]
+    if not missing or not arrived:   # judged meanwhile: the verdict is there
+        return None
+    wait_at = {int(k.rsplit("/", 1)[1]): json.loads(v)
+               for k, v in client.key_value_dir_get(f"{PREFIX}at/")}
+    for rank in missing:
+        if rank in wait_at and _not_begun(me, wait_at[rank]):
+            return _published(client, here, _error(
+                "RuntimeError", _deadlock(here, 0, rank, wait_at[rank])))
+    if not late:
+        return None
+    return _published(client, here, _error(
+        "TimeoutError", f"{here.who}: process(es) {_ranks(missing, len(missing))} did not reach "
+        f"this call within {timeout_s:g} s (process 0 waited): slow, stuck, dead or on another "
+        "path through the program"))
+
+
+def _published(client: Any, here: _Point, verdict: dict) -> dict:
+    _publish(client, here, verdict)
+    return json.loads(client.key_value_try_get(f"{here.keys}verdict"))
+
+
+def _at(client: Any, rank: int) -> list | None:
+    """[topic, n, who] of the agreement point `rank` last began, None if none."""
+    try:
+        return json.loads(client.key_value_try_get(f"{PREFIX}at/{rank}"))
+    except Exception:  # noqa: BLE001 - NOT_FOUND: it has begun none
+        return None
+
+
+def _not_begun(me: Process, at: list) -> bool:
+    topic, n, _ = at
+    return me.rounds.get(topic, 0) < n
+
+
+def _deadlock(here: _Point, me: int, rank: int, at: list) -> str:
+    topic, n, who = at
+    return (f"{here.who}: process {me} waits here (call {here.n}) while process {rank} waits in "
+            f"{who} (call {n}), which process {me} has not reached: the processes took "
+            "different paths through the program; make every process make the same jdp calls "
+            "in the same order")
+
+
+def _error(kind: str, message: str) -> dict:
+    return {"error": kind, "message": message}
+
+
+def _name_difference(client: Any, me: Process, here: _Point, text: str, sides: list, fix: str,
+                     timeout_s: float) -> None:
+    """One process of each side sends its facts; every process names the first difference."""
+    (ranks_a, count_a), (ranks_b, count_b) = sides
+    if me.rank in (ranks_a[0], ranks_b[0]):
+        client.key_value_set(f"{here.keys}facts/{me.rank}", text)
+    facts = []
+    for rank in (ranks_a[0], ranks_b[0]):
+        left = max(1, int(1000 * (here.deadline - time.monotonic())))
+        try:
+            facts.append(json.loads(client.blocking_key_value_get(
+                f"{here.keys}facts/{rank}", left)))
+        except Exception as e:  # noqa: BLE001 - JAX raises JaxRuntimeError
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            raise TimeoutError(f"{here.who}: the processes disagree, but process {rank} did not "
+                               f"say on what within {timeout_s:g} s") from None
+    name, value_a, value_b = _first_difference(*facts)
+    raise ValueError(f"{here.who}: the processes disagree on {name}: {value_a} on process(es) "
+                     f"{_ranks(ranks_a, count_a)} but {value_b} on process(es) "
+                     f"{_ranks(ranks_b, count_b)}; {fix}")
+
+
+def _first_difference(a: list, b: list) -> tuple[str, str, str]:
+    """(name, value in a, value in b) of the first fact that differs ('absent' if missing)."""
+    da, db = dict(map(tuple, a)), dict(map(tuple, b))
+    for name in [k for k, _ in a] + [k for k, _ in b]:
+        if da.get(name) != db.get(name):
+            return name or "<root>", da.get(name, "absent"), db.get(name, "absent")
+    return "the order of the leaves", str([k for k, _ in a][:4]), str([k for k, _ in b][:4])
+
+
+def _ranks(ranks: list[int], count: int) -> str:
+    return ", ".join(map(str, ranks[:SHOWN])) + (", ..." if count > SHOWN else "")
