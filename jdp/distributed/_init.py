@@ -22,7 +22,7 @@ import jax
 # is a device collective with no timeout) nor the coordinator address a job was started with.
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
-from jdp.distributed import _rendezvous, _watch
+from jdp.distributed import _engines, _rendezvous, _watch
 from jdp.launch import _env, _malloc, _net, _run
 
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
@@ -41,6 +41,8 @@ class _Plan(NamedTuple):
     process_id: int | None
     local_device_ids: list[int] | None
     cluster: str | None              # JAX cluster_detection_method ("auto" = JAX decides)
+    engine: str = "arguments"        # what started the job (`_engines`), said in the log
+    late_dns: bool = False           # retry resolving the coordinator's name (Kubernetes)
 
 
 
@@ -117,23 +119,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 def _plan(coordinator_address, num_processes, process_id, local_device_ids,
           cluster_detection_method, env: Mapping[str, str]) -> _Plan | None:
-    """Merge arguments and environment into one plan; None when there is nothing to join."""
-    if coordinator_address is None and _env.MASTER_ADDR in env and _env.MASTER_PORT in env:
-        port = _env_int(env, _env.MASTER_PORT,
-                        "the coordinator's TCP port (e.g. MASTER_PORT=29500)")
-        coordinator_address = _net.join_host_port(env[_env.MASTER_ADDR], port)
-    if num_processes is None and _env.WORLD_SIZE in env:
-        num_processes = _env_int(env, _env.WORLD_SIZE, "the number of processes")
-    if process_id is None and _env.RANK in env:
-        process_id = _env_int(env, _env.RANK, "this process's index, 0 <= RANK < WORLD_SIZE")
-    if coordinator_address is None and num_processes is None and process_id is None:
-        cluster = _detect_cluster(cluster_detection_method, env)
-        return None if cluster is None else _Plan(None, None, None, local_device_ids, cluster)
+    """Merge arguments and the engine found in the environment (`_engines`) into one plan;
+    None when there is nothing to join."""
+    found = _found(cluster_detection_method, env)
+    given = (coordinator_address, num_processes, process_id)
+    if found is None and given == (None, None, None):
+        return None
+    found = found or _engines.Found("arguments", None, None, None)
+    coordinator_address, num_processes, process_id = (
+        mine if mine is not None else theirs for mine, theirs in zip(given, found[1:4]))
+    if found.cluster and (coordinator_address, num_processes, process_id) == (None, None, None):
+        return _Plan(None, None, None, local_device_ids, found.cluster, found.engine)
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"WORLD_SIZE / num_processes={num_processes} must be >= 1")
     if num_processes == 1 and process_id in (None, 0):
         return None
     missing = [name for name, value in (("MASTER_ADDR and MASTER_PORT (coordinator_address)",
+                                         "Ray" if found.engine == "Ray Train" else
                                          coordinator_address),
                                         ("WORLD_SIZE (num_processes)", num_processes),
                                         ("RANK (process_id)", process_id)) if value is None]
@@ -144,9 +146,25 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
         raise ValueError(f"RANK / process_id={process_id} is outside 0..{num_processes - 1} "
                          f"(WORLD_SIZE={num_processes}); give each process a distinct RANK below "
                          "WORLD_SIZE")
-    _net.split_host_port(coordinator_address)
+    if coordinator_address is not None:
+        _net.split_host_port(coordinator_address)
     return _Plan(coordinator_address, num_processes, process_id,
-                 _local_devices(local_device_ids, env), None)
+                 _local_devices(local_device_ids, env), None, found.engine, found.late_dns)
+
+
+def _found(method: str | None, env: Mapping[str, str]) -> _engines.Found | None:
+    """The engine that started this process (`_engines`), or the cluster detection asked for
+    through `cluster_detection_method` / JDP_CLUSTER_DETECTION ("k8s": jdp's own)."""
+    method = method or env.get(_env.CLUSTER_DETECTION) or None
+    if method in ("k8s", "kubernetes"):
+        if (found := _engines.kubernetes(env)) is None:
+            raise ValueError(f"{_env.CLUSTER_DETECTION}={method} but this process is not a pod "
+                             "of an Indexed Job (no JOB_COMPLETION_INDEX, or RANK/MASTER_ADDR "
+                             "set); see examples/kubernetes/")
+        return found
+    if method:
+        return _engines.Found(f"JAX's cluster detection ({method})", None, None, None, method)
+    return _engines.detect(env)
 
 
 def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None:
@@ -166,37 +184,17 @@ def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None
 
 
 def _detect_cluster(method: str | None, env: Mapping[str, str]) -> str | None:
-    """The JAX cluster detection method to use, or None for a plain single process.
-
-    JAX's own detection is not consulted blindly: some of it (TPU metadata, Kubernetes)
-    makes network calls, and a plain `python train.py` must not try to join anything.
-    """
-    method = method or env.get(_env.CLUSTER_DETECTION) or None
-    if method:
-        return method
-    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")) and (
-            _env_int(env, "SLURM_NTASKS", "the number of SLURM tasks") > 1):
-        return "slurm"
-    if "OMPI_MCA_orte_hnp_uri" in env and _env_int(
-            env, "OMPI_COMM_WORLD_SIZE", "the Open MPI world size") > 1:
-        return "ompi"
-    return None
+    """The JAX cluster detection method to use, or None (jdp reads the job itself, or there
+    is none). JAX's own detection is not consulted blindly: some of it (TPU metadata,
+    Kubernetes) makes network calls, and a plain `python train.py` must not try to join."""
+    found = _found(method, env)
+    return None if found is None else found.cluster
 
 
 def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int,
              shutdown_timeout: int) -> None:
     """Check the coordinator port, then call `jax.distributed.initialize`."""
-    bind, timeout = None, initialization_timeout
-    if plan.coordinator is not None:
-        host, port = _net.split_host_port(plan.coordinator)
-        if not _net.resolves(host):
-            raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address; set it to "
-                             "the IP address or host name of the machine that runs process 0")
-        if plan.process_id == 0:
-            if problem := _net.port_problem(host, port):
-                raise ValueError(problem)
-            bind = plan.coordinator  # this interface only, not every interface of the host
-        timeout = _roll_call(host, port, plan, initialization_timeout)
+    plan, bind, timeout = _meet(plan, initialization_timeout)
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         # The preemption service catches SIGTERM (a child outlived it by > 4 s): the launcher
         # stops ranks with SIGTERM, so it must stay off unless the user asks for it.
@@ -218,6 +216,31 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
     finally:
         if hint is not None:
             hint.cancel()
+    print(f"jdp: joined as process {jax.process_index()} of {jax.process_count()} via "
+          f"{plan.engine}", file=sys.stderr, flush=True)
+
+
+def _meet(plan: _Plan, timeout: int) -> tuple[_Plan, str | None, int]:
+    """Settle the coordinator's address (agreed through Ray, or a pod name resolved late),
+    check it, and hold the roll call; (plan, process 0's bind address, seconds left)."""
+    start, bind = time.monotonic(), None
+    if plan.coordinator is None and plan.engine == "Ray Train":
+        plan = plan._replace(coordinator=_engines.ray_coordinator())
+    if plan.coordinator is None:
+        return plan, None, timeout
+    host, port = _net.split_host_port(plan.coordinator)
+    if plan.late_dns:   # pod 0's name is often published after the other pods start
+        host = _engines.wait_for_address(host, timeout)
+        plan = plan._replace(coordinator=_net.join_host_port(host, port))
+    if not _net.resolves(host):
+        raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address; set it to "
+                         "the IP address or host name of the machine that runs process 0")
+    if plan.process_id == 0:
+        if problem := _net.port_problem(host, port):
+            raise ValueError(problem)
+        bind = plan.coordinator  # this interface only, not every interface of the host
+    left = max(1.0, timeout - (time.monotonic() - start))
+    return plan, bind, _roll_call(host, port, plan, left)
 
 
 def _start_watchdog(env: Mapping[str, str]) -> None:
@@ -237,7 +260,7 @@ def _start_watchdog(env: Mapping[str, str]) -> None:
     _watch.start(state.client, state.process_id, state.num_processes, seconds)
 
 
-def _roll_call(host: str, port: int, plan: _Plan, timeout: int) -> int:
+def _roll_call(host: str, port: int, plan: _Plan, timeout: float) -> int:
     """Every process reports to process 0 (`_rendezvous`) before JAX's join; the seconds left."""
     start = time.monotonic()
     if plan.process_id == 0:
@@ -267,6 +290,8 @@ def _already_initialized(plan: _Plan) -> bool:
     state = _jax_distributed.global_state
     current = (state.coordinator_address, state.num_processes, state.process_id)
     wanted = (plan.coordinator, plan.num_processes, plan.process_id)
+    if plan.coordinator is None:   # agreed when joining (Ray): the rest must match
+        current, wanted = current[1:], wanted[1:]
     if plan.cluster is None and current != wanted:
         raise RuntimeError(
             f"jdp.initialize() was already called for coordinator={current[0]}, num_processes="
@@ -360,13 +385,4 @@ def _timeout(value: int | None, env_name: str, default: int, env: Mapping[str, s
     return seconds
 
 
-def _env_int(env: Mapping[str, str], name: str, meaning: str) -> int:
-    """Integer environment variable `name`; ValueError naming it and what it means."""
-    raw = env[name]
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; it must be {meaning}") from None
-    if value < 0:
-        raise ValueError(f"{name}={value} is negative; it must be {meaning}")
-    return value
+_env_int = _engines.integer   # an integer variable, or ValueError naming it
