@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -22,7 +23,7 @@ import jax
 # is a device collective with no timeout) nor the coordinator address a job was started with.
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
-from jdp.distributed import _engines, _rendezvous, _watch
+from jdp.distributed import _engines, _peers, _rendezvous, _watch
 from jdp.launch import _env, _malloc, _net, _run
 
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
@@ -201,12 +202,16 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
         jax.config.update("jax_enable_preemption_service", False)
     hint = _abort_hint(plan, timeout) if plan.coordinator is not None else None
     try:
-        jax.distributed.initialize(
-            coordinator_address=plan.coordinator, num_processes=plan.num_processes,
-            process_id=plan.process_id, local_device_ids=plan.local_device_ids,
-            cluster_detection_method=None if plan.cluster == "auto" else plan.cluster,
-            initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout,
-            shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
+        with warnings.catch_warnings():
+            # JAX notes in every pod that its own Kubernetes bootstrapping needs the
+            # `kubernetes` package; jdp read the job itself, so that note is noise.
+            warnings.filterwarnings("ignore", "Kubernetes environment detected")
+            jax.distributed.initialize(
+                coordinator_address=plan.coordinator, num_processes=plan.num_processes,
+                process_id=plan.process_id, local_device_ids=plan.local_device_ids,
+                cluster_detection_method=None if plan.cluster == "auto" else plan.cluster,
+                initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout,
+                shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
     except RuntimeError as e:   # JAX's "too late", made to say what to do
         if "before any JAX" not in str(e) and "must be called before" not in str(e):
             raise
@@ -261,12 +266,14 @@ def _start_watchdog(env: Mapping[str, str]) -> None:
 
 
 def _roll_call(host: str, port: int, plan: _Plan, timeout: float) -> int:
-    """Every process reports to process 0 (`_rendezvous`) before JAX's join; the seconds left."""
+    """Every process reports to process 0 (`_rendezvous`) before JAX's join, and the
+    connections stay open to name a lost process (`_peers`); the seconds left."""
     start = time.monotonic()
     if plan.process_id == 0:
-        _rendezvous.gather(host, port, plan.num_processes, timeout)
+        conns = _rendezvous.gather(host, port, plan.num_processes, timeout)
     else:
-        _rendezvous.report(host, port, plan.process_id, timeout)
+        conns = {0: _rendezvous.report(host, port, plan.process_id, plan.num_processes, timeout)}
+    _peers.watch(conns, plan.process_id)
     return max(1, int(timeout - (time.monotonic() - start) + 0.999))
 
 
@@ -313,6 +320,8 @@ def _install_fail_fast_excepthook() -> None:
     previous = sys.excepthook
 
     def fail_fast(exc_type, exc, tb):
+        if (lost := _peers.lost(exc)) is not None and hasattr(exc, "add_note"):
+            exc.add_note(lost)   # the failed collective's own message names no process
         _run.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
 
     fail_fast._jdp_previous = previous  # type: ignore[attr-defined]
@@ -336,6 +345,7 @@ def shutdown() -> None:
     if getattr(hook, "_jdp_previous", None):
         sys.excepthook = hook._jdp_previous  # type: ignore[attr-defined]
         sys.exit = hook._jdp_sys_exit  # type: ignore[attr-defined]
+    _peers.goodbye()
     jax.distributed.shutdown()
 
 
