@@ -162,3 +162,39 @@ def test_a_killed_peer_is_named_by_the_survivor_within_seconds(tmp_path, killed)
     print(f"survivor of a killed process {killed} exited {waited:.2f} s after the kill")
     assert survivor.returncode != 0
     assert f"jdp: process {1 - killed} lost process {killed} of the job" in rest, rest
+
+
+POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "JOB_COMPLETION_INDEX": "1", "HOSTNAME": "mnist-1"}
+
+
+@pytest.mark.parametrize("env, engine, coordinates", [
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9"},
+     "torchrun's variables", ("h:9", 2, 1)),
+    ({"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"},
+     "JAX's variables", ("h:9", 4, 3)),
+    ({**POD, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "mnist-0.mnist", "MASTER_PORT": "9"},
+     "torchrun's variables", ("mnist-0.mnist:9", 2, 1)),    # mapped by hand: RANK wins
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+     "srun", (None, None, None)),
+    ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"}, "mpirun", (None, None, None)),
+    ({"HOME": "/root"}, None, None),
+])
+def test_each_engine_is_read_from_its_own_variables(env, engine, coordinates):
+    from jdp.distributed import _engines
+    found = _engines.detect(env)
+    assert (found and found.engine) == engine
+    assert (found and tuple(found[1:4])) == coordinates
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_PROCESS_ID": "0"},
+     ["JAX_COORDINATOR_ADDRESS=h:9", "JAX_NUM_PROCESSES not"]),
+    ({**POD, "WORLD_SIZE": "2"}, ["JOB_COMPLETION_INDEX=1", "mnist-1", "no subdomain"]),
+    ({**POD, "WORLD_SIZE": "2", "HOSTNAME": "other"}, ["does not end in -1", "Indexed"]),
+    ({"JDP_CLUSTER_DETECTION": "k8s"}, ["JDP_CLUSTER_DETECTION=k8s", "not a pod"]),
+])
+def test_an_engine_seen_without_what_it_needs_is_a_one_line_error(env, words):
+    from conftest import one_line_error
+
+    from jdp.distributed import _init
+    one_line_error(ValueError, words, _init._plan, None, None, None, None, None, env)

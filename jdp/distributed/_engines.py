@@ -41,7 +41,8 @@ def torchrun(env: Mapping[str, str]) -> Found | None:
         coordinator = _net.join_host_port(env[_env.MASTER_ADDR], port)
     return Found("torchrun's variables", coordinator,
                  _maybe(env, _env.WORLD_SIZE, "the number of processes"),
-                 _maybe(env, _env.RANK, "this process's index, 0 <= RANK < WORLD_SIZE"))
+                 _maybe(env, _env.RANK, "this process's index, 0 <= RANK < WORLD_SIZE"),
+                 late_dns=_in_a_pod(env))
 
 
 def jax_variables(env: Mapping[str, str]) -> Found | None:
@@ -51,7 +52,8 @@ def jax_variables(env: Mapping[str, str]) -> Found | None:
         return None
     found = Found("JAX's variables", env["JAX_COORDINATOR_ADDRESS"],
                   _maybe(env, "JAX_NUM_PROCESSES", "the number of processes"),
-                  _maybe(env, "JAX_PROCESS_ID", "this process's index below JAX_NUM_PROCESSES"))
+                  _maybe(env, "JAX_PROCESS_ID", "this process's index below JAX_NUM_PROCESSES"),
+                  late_dns=_in_a_pod(env))
     missing = [n for n, v in (("JAX_NUM_PROCESSES", found.num_processes),
                               ("JAX_PROCESS_ID", found.process_id)) if v is None]
     if missing:
@@ -90,6 +92,11 @@ def kubernetes(env: Mapping[str, str]) -> Found | None:
                  index, late_dns=True)
 
 
+def _in_a_pod(env: Mapping[str, str]) -> bool:
+    """In a Kubernetes pod, process 0's name (mapped by hand) may be published late too."""
+    return "KUBERNETES_SERVICE_HOST" in env
+
+
 def _subdomain(hostname: str) -> str | None:
     """The pod's subdomain: the label after its hostname in its FQDN (kubelet's /etc/hosts)."""
     fqdn = socket.getfqdn(hostname)
@@ -126,9 +133,10 @@ def ray_train(env: Mapping[str, str]) -> Found | None:
     import ray.train
     try:
         context = ray.train.get_context()
-    except (RuntimeError, AttributeError):   # not inside a Ray Train worker
+        world, rank = context.get_world_size(), context.get_world_rank()
+    except (RuntimeError, AttributeError, DeprecationWarning):   # not a Ray Train worker
         return None
-    return Found("Ray Train", None, context.get_world_size(), context.get_world_rank())
+    return None if world is None else Found("Ray Train", None, world, rank)
 
 
 def ray_coordinator() -> str:
