@@ -175,6 +175,21 @@ def wait_for_address(host: str, timeout_s: float) -> str:
 ENGINES = (jax_variables, kubernetes, torchrun, slurm, open_mpi, ray_train)
 
 
+def find(method: str | None, env: Mapping[str, str]) -> Found | None:
+    """The engine that started this process (`detect`), or the cluster detection asked for
+    through `cluster_detection_method` / JDP_CLUSTER_DETECTION ("k8s": jdp's own)."""
+    method = method or env.get(_env.CLUSTER_DETECTION) or None
+    if method in ("k8s", "kubernetes"):
+        if (found := kubernetes(env)) is None:
+            raise ValueError(f"{_env.CLUSTER_DETECTION}={method} but this process is not a pod "
+                             "of an Indexed Job (no JOB_COMPLETION_INDEX, or RANK/MASTER_ADDR "
+                             "set); see examples/kubernetes/")
+        return found
+    if method:
+        return Found(f"JAX's cluster detection ({method})", None, None, None, method)
+    return detect(env)
+
+
 def detect(env: Mapping[str, str]) -> Found | None:
     """The first engine whose signs are in `env`, or None: a plain single process."""
     for engine in ENGINES:

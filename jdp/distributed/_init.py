@@ -1,10 +1,12 @@
 """Joining and leaving the job: `initialize()` from the environment, `barrier`, `shutdown`.
 
-`jdp.initialize()` reads the variables the launcher sets (MASTER_ADDR, MASTER_PORT,
-WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE) and calls `jax.distributed.initialize` with
-them, with timeouts short enough that a dead peer becomes an error within about a minute
-instead of JAX's five. A single process (no such variables, or WORLD_SIZE=1) is a quiet no-op,
-so one script runs unchanged with `python train.py` and under the launcher.
+`jdp.initialize()` reads the job from what its engine put in the environment (`_engines`: the
+launcher's and torchrun's variables, JAX's, a Kubernetes Indexed Job or JobSet pod, srun,
+mpirun, a Ray Train worker) and calls `jax.distributed.initialize` with it, with timeouts
+short enough that a dead peer becomes an error within about a minute instead of JAX's five.
+A single process (no engine's signs, or WORLD_SIZE=1) is a quiet no-op, so one script runs
+unchanged with `python train.py` and under every engine; an engine seen without what it
+needs is a one-line error, never N unrelated single-process jobs.
 """
 from __future__ import annotations
 
@@ -60,18 +62,25 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """Join this process to the job's other processes (`jax.distributed.initialize`).
 
     Call it first in `main`, before anything touches a JAX device. Each setting comes from,
-    in order: the argument; the launcher's variables MASTER_ADDR:MASTER_PORT,
-    WORLD_SIZE, RANK, with LOCAL_RANK binding a process to its GPU when LOCAL_WORLD_SIZE > 1
-    (unless JAX_LOCAL_DEVICE_IDS is set); else JAX's own cluster detection, used only when
-    SLURM (srun, SLURM_NTASKS > 1) or Open MPI (mpirun, size > 1) is seen or when asked for
-    through `cluster_detection_method` / JDP_CLUSTER_DETECTION ("auto", "slurm", "ompi",
-    "mpi4py", "gketpu", ...). Nothing of the kind, or one process: a quiet no-op.
+    in order: the argument; the engine that started the process (the table "Starting a job"
+    in docs/launch.md): the launcher's variables MASTER_ADDR:MASTER_PORT, WORLD_SIZE, RANK,
+    with LOCAL_RANK binding a process to its GPU when LOCAL_WORLD_SIZE > 1 (unless
+    JAX_LOCAL_DEVICE_IDS is set); JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID; a Kubernetes Indexed Job or JobSet pod (JOB_COMPLETION_INDEX, its hostname
+    and subdomain, WORLD_SIZE from the manifest; process 0's name resolved with retries); a
+    Ray Train worker (Ray's context); else JAX's own cluster detection, used only when SLURM
+    (srun, SLURM_NTASKS > 1) or Open MPI (mpirun, size > 1) is seen or when asked for through
+    `cluster_detection_method` / JDP_CLUSTER_DETECTION ("auto", "slurm", "ompi", "mpi4py",
+    "gketpu", ...; "k8s": jdp's Kubernetes reading). Nothing of the kind, or one process: a
+    quiet no-op. Once joined, each process prints `jdp: joined as process k of n via <engine>`.
 
     Calling it again is a no-op; calling it again with a different job raises RuntimeError.
     It also tunes glibc's allocator so XLA:CPU reuses its per-step scratch memory (~1.7x on a
     CPU step, same results; `JDP_MALLOC_TUNING=0` turns it off; see `jdp.launch._malloc`).
     Every process first reports to process 0 on the coordinator port (`_rendezvous`), so a
-    missing process is named in a TimeoutError instead of JAX aborting process 0. On a
+    missing process is named in a TimeoutError instead of JAX aborting process 0, and one
+    started with another process count is refused (ValueError) on both sides; those
+    connections stay open, so a process that dies later is named by the others (`_peers`). On a
     multi-process job an uncaught exception (code 1) or `sys.exit(n)` (code n) ends the
     process at once instead of waiting in JAX's exit handler, under mpirun/srun too (a bare
     `raise SystemExit(n)` still waits). With JDP_PROGRESS_TIMEOUT=S and no jdp launcher
@@ -93,7 +102,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
     Raises:
         ValueError: an inconsistent setting (RANK >= WORLD_SIZE, a bad or busy port, a
-            MASTER_ADDR that does not resolve, ...).
+            MASTER_ADDR that does not resolve, ...), an engine seen without what it needs (a
+            pod without WORLD_SIZE, ...), or processes started for different process counts.
         TimeoutError: the coordinator did not answer within `initialization_timeout`, or
             (on process 0) some processes never reported; the message names them.
         RuntimeError: called after JAX started its backend, or again for a different job.
@@ -122,7 +132,7 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
           cluster_detection_method, env: Mapping[str, str]) -> _Plan | None:
     """Merge arguments and the engine found in the environment (`_engines`) into one plan;
     None when there is nothing to join."""
-    found = _found(cluster_detection_method, env)
+    found = _engines.find(cluster_detection_method, env)
     given = (coordinator_address, num_processes, process_id)
     if found is None and given == (None, None, None):
         return None
@@ -153,21 +163,6 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
                  _local_devices(local_device_ids, env), None, found.engine, found.late_dns)
 
 
-def _found(method: str | None, env: Mapping[str, str]) -> _engines.Found | None:
-    """The engine that started this process (`_engines`), or the cluster detection asked for
-    through `cluster_detection_method` / JDP_CLUSTER_DETECTION ("k8s": jdp's own)."""
-    method = method or env.get(_env.CLUSTER_DETECTION) or None
-    if method in ("k8s", "kubernetes"):
-        if (found := _engines.kubernetes(env)) is None:
-            raise ValueError(f"{_env.CLUSTER_DETECTION}={method} but this process is not a pod "
-                             "of an Indexed Job (no JOB_COMPLETION_INDEX, or RANK/MASTER_ADDR "
-                             "set); see examples/kubernetes/")
-        return found
-    if method:
-        return _engines.Found(f"JAX's cluster detection ({method})", None, None, None, method)
-    return _engines.detect(env)
-
-
 def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None:
     """Explicit ids; else one GPU per process (LOCAL_RANK) when several share a node."""
     if local_device_ids is not None:
@@ -188,7 +183,7 @@ def _detect_cluster(method: str | None, env: Mapping[str, str]) -> str | None:
     """The JAX cluster detection method to use, or None (jdp reads the job itself, or there
     is none). JAX's own detection is not consulted blindly: some of it (TPU metadata,
     Kubernetes) makes network calls, and a plain `python train.py` must not try to join."""
-    found = _found(method, env)
+    found = _engines.find(method, env)
     return None if found is None else found.cluster
 
 
@@ -297,9 +292,9 @@ def _already_initialized(plan: _Plan) -> bool:
     state = _jax_distributed.global_state
     current = (state.coordinator_address, state.num_processes, state.process_id)
     wanted = (plan.coordinator, plan.num_processes, plan.process_id)
-    if plan.coordinator is None:   # agreed when joining (Ray): the rest must match
-        current, wanted = current[1:], wanted[1:]
-    if plan.cluster is None and current != wanted:
+    same = current[1:] == wanted[1:] and (  # the coordinator agreed when joining (Ray): any
+        plan.coordinator is None or current[0] == wanted[0])
+    if plan.cluster is None and not same:
         raise RuntimeError(
             f"jdp.initialize() was already called for coordinator={current[0]}, num_processes="
             f"{current[1]}, process_id={current[2]}; it cannot switch to {wanted} within one "
