@@ -23,7 +23,7 @@ EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 
 def train_loop(config: dict) -> None:
     """One Ray Train worker: the MNIST example's main, with its own arguments."""
-    import mnist   # from Ray's working_dir, this folder
+    import mnist  # from Ray's working_dir, this folder
 
     mnist.main(config["argv"])
 

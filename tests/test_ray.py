@@ -25,8 +25,8 @@ def test_jax_trainer_workers_train_one_job_and_a_killed_worker_is_named(tmp_path
     expected = {line.split(" ", 3)[3] for log in reference for line in log.splitlines()
                 if line.startswith("LOSSES ")}
     assert len(expected) == 1, reference
-    env = job_env(tag, devices=1, RAY_DEDUP_LOGS="0",
-                  PYTHONPATH=TESTS + os.pathsep + REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = os.pathsep.join([TESTS, REPO, os.environ.get("PYTHONPATH", "")])
+    env = job_env(tag, devices=1, RAY_DEDUP_LOGS="0", PYTHONPATH=path)
     try:
         done = subprocess.run([sys.executable, os.path.join(TESTS, "_ray_driver.py"),
                                str(tmp_path), "train", "kill"], cwd=REPO, env=env, text=True,

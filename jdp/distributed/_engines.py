@@ -8,7 +8,6 @@ ValueError naming what was found and what is missing, never a silent single-proc
 """
 from __future__ import annotations
 
-import re
 import socket
 import sys
 import time

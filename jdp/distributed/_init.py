@@ -137,8 +137,9 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
     if found is None and given == (None, None, None):
         return None
     found = found or _engines.Found("arguments", None, None, None)
-    coordinator_address, num_processes, process_id = (
-        mine if mine is not None else theirs for mine, theirs in zip(given, found[1:4]))
+    coordinator_address, num_processes, process_id = (  # an argument wins over the engine
+        arg if arg is not None else env_value
+        for arg, env_value in zip(given, found[1:4], strict=True))
     if found.cluster and (coordinator_address, num_processes, process_id) == (None, None, None):
         return _Plan(None, None, None, local_device_ids, found.cluster, found.engine)
     if num_processes is not None and num_processes < 1:
@@ -292,8 +293,8 @@ def _already_initialized(plan: _Plan) -> bool:
     state = _jax_distributed.global_state
     current = (state.coordinator_address, state.num_processes, state.process_id)
     wanted = (plan.coordinator, plan.num_processes, plan.process_id)
-    same = current[1:] == wanted[1:] and (  # the coordinator agreed when joining (Ray): any
-        plan.coordinator is None or current[0] == wanted[0])
+    same = current[1:] == wanted[1:] and (  # agreed (Ray) or resolved (pods) when joining
+        plan.coordinator is None or plan.late_dns or current[0] == wanted[0])
     if plan.cluster is None and not same:
         raise RuntimeError(
             f"jdp.initialize() was already called for coordinator={current[0]}, num_processes="

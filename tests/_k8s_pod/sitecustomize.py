@@ -1,7 +1,7 @@
 """Test-only: a process here plays a Kubernetes pod (tests/test_engines.py puts this folder
 on PYTHONPATH). Its own FQDN is the pod's (JDP_TEST_POD_FQDN, as kubelet's /etc/hosts gives
-it) and every name in the pods' subdomain (JDP_TEST_POD_DOMAIN, e.g. mnist-0.mnist) resolves to 127.0.0.1, from
-the wall-clock time JDP_TEST_DNS_AT on (a record published late)."""
+it) and every name in the pods' subdomain (JDP_TEST_POD_DOMAIN, e.g. mnist-0.mnist) resolves
+to 127.0.0.1, from the wall-clock time JDP_TEST_DNS_AT on (a record published late)."""
 import os
 import socket
 import time
