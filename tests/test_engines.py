@@ -61,7 +61,7 @@ def test_jax_variables_join_with_the_losses_of_torchruns(torchrun_losses):
     assert "jdp: joined as process 1 of 2 via JAX's variables" in logs[1]
 
 
-def pod_environments(manifest: str, port: int, dns_delay_s: float = 0.0) -> list[dict]:
+def pod_environments(manifest: str, port: int, dns_misses: int = 0) -> list[dict]:
     """What Kubernetes gives each pod of `manifest` (an Indexed Job + headless Service, or a
     JobSet of one Indexed Job) plus the variables the manifest sets; the test-only shim plays
     the pod's FQDN and DNS, and MASTER_PORT moves the coordinator to a free port here."""
@@ -86,20 +86,20 @@ def pod_environments(manifest: str, port: int, dns_delay_s: float = 0.0) -> list
              "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
              "MASTER_PORT": str(port), "PYTHONPATH": POD_SHIM + os.pathsep + REPO,
              "JDP_TEST_POD_FQDN": f"{prefix}-{i}.{subdomain}.default.svc.cluster.local",
-             "JDP_TEST_POD_DOMAIN": subdomain, "JDP_TEST_DNS_AT": str(time.time() + dns_delay_s)}
+             "JDP_TEST_POD_DOMAIN": subdomain, "JDP_TEST_DNS_MISSES": str(dns_misses)}
             for i in range(spec["completions"])]
 
 
-@pytest.mark.parametrize("manifest, dns_delay_s", [("indexed-job.yaml", 8.0), ("jobset.yaml", 0)])
-def test_kubernetes_pods_from_the_example_manifests_join(torchrun_losses, manifest, dns_delay_s):
-    """The Indexed Job's pod 0 is published 8 s late (after both started): they wait for it."""
-    envs = pod_environments(manifest, free_port(), dns_delay_s)
+@pytest.mark.parametrize("manifest, dns_misses", [("indexed-job.yaml", 2), ("jobset.yaml", 0)])
+def test_kubernetes_pods_from_the_example_manifests_join(torchrun_losses, manifest, dns_misses):
+    """The Indexed Job's pod 0 is not published yet when each pod first looks: they wait."""
+    envs = pod_environments(manifest, free_port(), dns_misses)
     assert envs[0]["WORLD_SIZE"] == "2" and len(envs) == 2
     logs = finish(start(envs), 120)
     assert losses(logs) == [torchrun_losses, torchrun_losses], logs
     assert "jdp: joined as process 1 of 2 via Kubernetes" in logs[1]
-    if dns_delay_s:
-        assert "waiting for mnist-0.mnist" in logs[1]
+    if dns_misses:
+        assert all("jdp: waiting for mnist-0.mnist (process 0) to resolve" in log for log in logs)
 
 
 def test_an_indexed_job_pod_with_nothing_mapped_is_a_one_line_error_on_every_pod():
