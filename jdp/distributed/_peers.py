@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import queue
 import re
+import socket
 import sys
 import threading
 import time
@@ -22,6 +23,9 @@ import time
 from jdp.launch import _net, _run
 
 GRACE_S = 3.0        # time the main thread gets to fail by itself after a loss is known
+# TCP keepalive on the connections (idle s, interval s, probes): a node that vanishes without
+# closing them (power loss, a partition) is noticed after about 5 + 2 * 3 = 11 s.
+KEEPALIVE = (5, 2, 3)
 _LOST = threading.Event()   # set once a process is lost
 _lost: list[str] = []       # the message naming the lost process, once one is lost
 _conns: dict = {}           # rank -> connection (process 0: all others; else: process 0)
@@ -34,10 +38,20 @@ def watch(conns: dict, me: int) -> None:
     events: queue.Queue = queue.Queue()
     for rank, conn in conns.items():
         conn.settimeout(None)
+        _keepalive(conn)
         threading.Thread(target=_net.receive, args=(conn, events, rank), daemon=True,
                          name=f"jdp-peer-{rank}").start()
     threading.Thread(target=_judge, args=(events, me), daemon=True, name="jdp-peers").start()
     atexit.register(goodbye)
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """Probe an idle connection so a silent peer counts as lost (Linux options where known)."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE,
+                           strict=True):
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def goodbye() -> None:
