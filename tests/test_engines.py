@@ -7,6 +7,7 @@ and the coordinator's port at a free one, see tests/_k8s_pod/). Their losses mus
 of the same job started by torchrun's variables. Ray: tests/test_ray.py.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,37 +130,52 @@ def test_a_rank_started_with_another_world_size_is_refused_on_both_sides():
 
 
 SPINNING = """
-import sys, jax, numpy as np, jdp
+import os, jax, numpy as np, jdp
 jdp.initialize()
 f = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
 f(np.ones(1, np.float32)).block_until_ready()
-print("READY", flush=True)
+print(f"READY {jax.process_index()} {os.getpid()}", flush=True)
 while True:
     f(np.ones(1, np.float32)).block_until_ready()
 """
+MPIRUN = shutil.which("mpirun")
 
 
-@pytest.mark.parametrize("killed", [0, 1])
-def test_a_killed_peer_is_named_by_the_survivor_within_seconds(tmp_path, killed):
-    """No launcher: rank `killed` gets SIGKILL mid-collective; the other names it."""
+def spinning_job(way: str, script: str) -> list:
+    """The 2 ranks of SPINNING started `way`: one process each, or one mpirun for both."""
+    if way == "mpirun":
+        return [subprocess.Popen(
+            [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "JAX_PLATFORMS",
+             "-x", "PYTHONPATH", "-x", "XLA_FLAGS", sys.executable, script], cwd=REPO,
+            env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    port = str(free_port())
+    return start([{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
+                   "RANK": str(r)} for r in (0, 1)], args=(script,))
+
+
+@pytest.mark.parametrize("way, killed", [("torchrun", 0), ("torchrun", 1), ("mpirun", 1)])
+def test_a_killed_peer_is_named_by_the_survivor_within_seconds(tmp_path, way, killed):
+    """No jdp launcher: rank `killed` gets SIGKILL mid-collective; the other names it."""
+    if way == "mpirun" and MPIRUN is None:
+        pytest.skip("mpirun (Open MPI) is not installed")
     script = tmp_path / "spin.py"
     script.write_text(SPINNING)
-    port = str(free_port())
-    procs = start([{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-                    "RANK": str(r)} for r in (0, 1)], args=(str(script),))
+    procs, pids = spinning_job(way, str(script)), {}
     try:
         for p in procs:
             for line in p.stdout:
                 if line.startswith("READY"):
-                    break
+                    pids[int(line.split()[1])] = int(line.split()[2])
+                    if len(pids) == 2 or way != "mpirun":
+                        break
         start_s = time.monotonic()
-        procs[killed].send_signal(signal.SIGKILL)
-        survivor = procs[1 - killed]
+        os.kill(pids[killed], signal.SIGKILL)
+        survivor = procs[0] if way == "mpirun" else procs[1 - killed]
         rest = survivor.communicate(timeout=10)[0]
         waited = time.monotonic() - start_s
     finally:
         finish(procs, 10)
-    print(f"survivor of a killed process {killed} exited {waited:.2f} s after the kill")
+    print(f"{way}: the survivor of a killed process {killed} exited {waited:.2f} s after the kill")
     assert survivor.returncode != 0
     assert f"jdp: process {1 - killed} lost process {killed} of the job" in rest, rest
 

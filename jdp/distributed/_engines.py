@@ -122,6 +122,18 @@ def open_mpi(env: Mapping[str, str]) -> Found | None:
     return Found("mpirun", None, None, None, cluster="ompi")
 
 
+def open_mpi_coordinates(timeout_s: float) -> tuple[str, int, int, list[int]]:
+    """(coordinator, process count, process id, local device ids) of an mpirun job, exactly
+    as JAX's own Open MPI detection finds them: asked before joining, so that jdp's roll call
+    (a missing process named, the count agreed, a lost one named) runs under mpirun too."""
+    # Private, for want of a public API: JAX's cluster classes are what
+    # jax.distributed.initialize asks when given a cluster_detection_method.
+    from jax._src.clusters import ClusterEnv
+    found = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, "ompi",
+                                                            int(timeout_s))
+    return found[0], found[1], found[2], list(found[3] or [])
+
+
 def ray_train(env: Mapping[str, str]) -> Found | None:
     """A Ray Train worker (JaxTrainer, TorchTrainer, ...): rank and size from Ray's context;
     process 0's address is agreed through Ray when joining (`ray_coordinator`). Ray is only
