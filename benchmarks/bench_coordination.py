@@ -155,7 +155,9 @@ def roll_call_rows(counts=(2, 64, 512, 1024)) -> list:
 
         def process(rank, port=port, n=n, failed=failed):
             try:
-                _rendezvous.roll_call("127.0.0.1", port, rank, n, 120)
+                conns, _ = _rendezvous.roll_call("127.0.0.1", port, rank, n, 120)
+                for conn in conns.values():
+                    conn.close()
             except Exception as e:  # noqa: BLE001 - reported in the table
                 failed.append(e)
 

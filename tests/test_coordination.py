@@ -127,7 +127,9 @@ def test_the_roll_call_gathers_hundreds_of_processes_with_one_connection_each():
 
     def process(rank):
         try:
-            left[rank] = _rendezvous.roll_call("127.0.0.1", port, rank, count, 60)
+            conns, left[rank] = _rendezvous.roll_call("127.0.0.1", port, rank, count, 60)
+            for conn in conns.values():   # kept open for the job's lost-peer watch: close here
+                conn.close()
         except Exception as e:  # noqa: BLE001 - the outcome under test
             left[rank] = e
 
@@ -167,7 +169,9 @@ count, failed = 100, []
 
 def process(rank):
     try:
-        _rendezvous.roll_call("127.0.0.1", port, rank, count, 60)
+        conns, _ = _rendezvous.roll_call("127.0.0.1", port, rank, count, 60)
+        for conn in conns.values():
+            conn.close()
     except Exception as e:
         failed.append(repr(e))
 

@@ -73,10 +73,10 @@ def test_explicit_arguments_win_over_the_environment(env):
     env(MASTER_ADDR="10.0.0.1", MASTER_PORT=1234, WORLD_SIZE=4, RANK=3, LOCAL_RANK=1,
         LOCAL_WORLD_SIZE=2)
     from_env = distributed._plan(None, None, None, None, None, dict(os.environ))
-    assert from_env == ("10.0.0.1:1234", 4, 3, [1], None)
+    assert from_env[:5] == ("10.0.0.1:1234", 4, 3, [1], None)
     explicit = distributed._plan("127.0.0.1:999", 2, 0, [0], None,
                                  dict(os.environ))
-    assert explicit == ("127.0.0.1:999", 2, 0, [0], None)
+    assert explicit[:5] == ("127.0.0.1:999", 2, 0, [0], None)
 
 
 def test_cluster_detection_only_when_a_cluster_launched_several_tasks():

@@ -1,16 +1,20 @@
 """Joining and leaving the job: `initialize()` from the environment, `barrier`, `shutdown`.
 
-`jdp.initialize()` reads the variables the launcher sets (MASTER_ADDR, MASTER_PORT,
-WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE) and calls `jax.distributed.initialize` with
-them, with timeouts short enough that a dead peer becomes an error within about a minute
-instead of JAX's five. A single process (no such variables, or WORLD_SIZE=1) is a quiet no-op,
-so one script runs unchanged with `python train.py` and under the launcher.
+`jdp.initialize()` reads the job from what its engine put in the environment (`_engines`: the
+launcher's and torchrun's variables, JAX's, a Kubernetes Indexed Job or JobSet pod, srun,
+mpirun, a Ray Train worker) and calls `jax.distributed.initialize` with it, with timeouts
+short enough that a dead peer becomes an error within about a minute instead of JAX's five.
+A single process (no engine's signs, or WORLD_SIZE=1) is a quiet no-op, so one script runs
+unchanged with `python train.py` and under every engine; an engine seen without what it
+needs is a one-line error, never N unrelated single-process jobs.
 """
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -21,7 +25,7 @@ import jax
 # is a device collective with no timeout) nor the coordinator address a job was started with.
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
-from jdp.distributed import _rendezvous, _watch
+from jdp.distributed import _engines, _peers, _rendezvous, _watch
 from jdp.job import env as _env
 from jdp.job import malloc as _malloc
 from jdp.job import net as _net
@@ -43,6 +47,8 @@ class _Plan(NamedTuple):
     process_id: int | None
     local_device_ids: list[int] | None
     cluster: str | None              # JAX cluster_detection_method ("auto" = JAX decides)
+    engine: str = "arguments"        # what started the job (`_engines`), said in the log
+    late_dns: bool = False           # retry resolving the coordinator's name (Kubernetes)
 
 
 
@@ -59,18 +65,25 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """Join this process to the job's other processes (`jax.distributed.initialize`).
 
     Call it first in `main`, before anything touches a JAX device. Each setting comes from,
-    in order: the argument; the launcher's variables MASTER_ADDR:MASTER_PORT,
-    WORLD_SIZE, RANK, with LOCAL_RANK binding a process to its GPU when LOCAL_WORLD_SIZE > 1
-    (unless JAX_LOCAL_DEVICE_IDS is set); else JAX's own cluster detection, used only when
-    SLURM (srun, SLURM_NTASKS > 1) or Open MPI (mpirun, size > 1) is seen or when asked for
-    through `cluster_detection_method` / JDP_CLUSTER_DETECTION ("auto", "slurm", "ompi",
-    "mpi4py", "gketpu", ...). Nothing of the kind, or one process: a quiet no-op.
+    in order: the argument; the engine that started the process (the table "Starting a job"
+    in docs/launch.md): the launcher's variables MASTER_ADDR:MASTER_PORT, WORLD_SIZE, RANK,
+    with LOCAL_RANK binding a process to its GPU when LOCAL_WORLD_SIZE > 1 (unless
+    JAX_LOCAL_DEVICE_IDS is set); JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID; a Kubernetes Indexed Job or JobSet pod (JOB_COMPLETION_INDEX, its hostname
+    and subdomain, WORLD_SIZE from the manifest; process 0's name resolved with retries); a
+    Ray Train worker (Ray's context); else JAX's own cluster detection, used only when SLURM
+    (srun, SLURM_NTASKS > 1) or Open MPI (mpirun, size > 1) is seen or when asked for through
+    `cluster_detection_method` / JDP_CLUSTER_DETECTION ("auto", "slurm", "ompi", "mpi4py",
+    "gketpu", ...; "k8s": jdp's Kubernetes reading). Nothing of the kind, or one process: a
+    quiet no-op. Once joined, each process prints `jdp: joined as process k of n via <engine>`.
 
     Calling it again is a no-op; calling it again with a different job raises RuntimeError.
     It also tunes glibc's allocator so XLA:CPU reuses its per-step scratch memory (~1.7x on a
     CPU step, same results; `JDP_MALLOC_TUNING=0` turns it off; see `jdp.job.malloc`).
     Every process first reports to process 0 on the coordinator port (`_rendezvous`), so a
-    missing process is named in a TimeoutError instead of JAX aborting process 0. On a
+    missing process is named in a TimeoutError instead of JAX aborting process 0, and one
+    started with another process count is refused (ValueError) on both sides; those
+    connections stay open, so a process that dies later is named by the others (`_peers`). On a
     multi-process job an uncaught exception (code 1) or `sys.exit(n)` (code n) ends the
     process at once instead of waiting in JAX's exit handler, under mpirun/srun too (a bare
     `raise SystemExit(n)` still waits). With JDP_PROGRESS_TIMEOUT=S and no jdp launcher
@@ -92,7 +105,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
     Raises:
         ValueError: an inconsistent setting (RANK >= WORLD_SIZE, a bad or busy port, a
-            MASTER_ADDR that does not resolve, ...).
+            MASTER_ADDR that does not resolve, ...), an engine seen without what it needs (a
+            pod without WORLD_SIZE, ...), or processes started for different process counts.
         TimeoutError: the coordinator did not answer within `initialization_timeout`, or
             (on process 0) some processes never reported; the message names them.
         RuntimeError: called after JAX started its backend, or again for a different job.
@@ -119,23 +133,24 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 def _plan(coordinator_address, num_processes, process_id, local_device_ids,
           cluster_detection_method, env: Mapping[str, str]) -> _Plan | None:
-    """Merge arguments and environment into one plan; None when there is nothing to join."""
-    if coordinator_address is None and _env.MASTER_ADDR in env and _env.MASTER_PORT in env:
-        port = _env_int(env, _env.MASTER_PORT,
-                        "the coordinator's TCP port (e.g. MASTER_PORT=29500)")
-        coordinator_address = _net.join_host_port(env[_env.MASTER_ADDR], port)
-    if num_processes is None and _env.WORLD_SIZE in env:
-        num_processes = _env_int(env, _env.WORLD_SIZE, "the number of processes")
-    if process_id is None and _env.RANK in env:
-        process_id = _env_int(env, _env.RANK, "this process's index, 0 <= RANK < WORLD_SIZE")
-    if coordinator_address is None and num_processes is None and process_id is None:
-        cluster = _detect_cluster(cluster_detection_method, env)
-        return None if cluster is None else _Plan(None, None, None, local_device_ids, cluster)
+    """Merge arguments and the engine found in the environment (`_engines`) into one plan;
+    None when there is nothing to join."""
+    found = _engines.find(cluster_detection_method, env)
+    given = (coordinator_address, num_processes, process_id)
+    if found is None and given == (None, None, None):
+        return None
+    found = found or _engines.Found("arguments", None, None, None)
+    coordinator_address, num_processes, process_id = (  # an argument wins over the engine
+        arg if arg is not None else env_value
+        for arg, env_value in zip(given, found[1:4], strict=True))
+    if found.cluster and (coordinator_address, num_processes, process_id) == (None, None, None):
+        return _Plan(None, None, None, local_device_ids, found.cluster, found.engine)
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"WORLD_SIZE / num_processes={num_processes} must be >= 1")
     if num_processes == 1 and process_id in (None, 0):
         return None
     missing = [name for name, value in (("MASTER_ADDR and MASTER_PORT (coordinator_address)",
+                                         "Ray" if found.engine == "Ray Train" else
                                          coordinator_address),
                                         ("WORLD_SIZE (num_processes)", num_processes),
                                         ("RANK (process_id)", process_id)) if value is None]
@@ -146,9 +161,10 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
         raise ValueError(f"RANK / process_id={process_id} is outside 0..{num_processes - 1} "
                          f"(WORLD_SIZE={num_processes}); give each process a distinct RANK below "
                          "WORLD_SIZE")
-    _net.split_host_port(coordinator_address)
+    if coordinator_address is not None:
+        _net.split_host_port(coordinator_address)
     return _Plan(coordinator_address, num_processes, process_id,
-                 _local_devices(local_device_ids, env), None)
+                 _local_devices(local_device_ids, env), None, found.engine, found.late_dns)
 
 
 def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None:
@@ -168,50 +184,33 @@ def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None
 
 
 def _detect_cluster(method: str | None, env: Mapping[str, str]) -> str | None:
-    """The JAX cluster detection method to use, or None for a plain single process.
-
-    JAX's own detection is not consulted blindly: some of it (TPU metadata, Kubernetes)
-    makes network calls, and a plain `python train.py` must not try to join anything.
-    """
-    method = method or env.get(_env.CLUSTER_DETECTION) or None
-    if method:
-        return method
-    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")) and (
-            _env_int(env, "SLURM_NTASKS", "the number of SLURM tasks") > 1):
-        return "slurm"
-    if "OMPI_MCA_orte_hnp_uri" in env and _env_int(
-            env, "OMPI_COMM_WORLD_SIZE", "the Open MPI world size") > 1:
-        return "ompi"
-    return None
+    """The JAX cluster detection method to use, or None (jdp reads the job itself, or there
+    is none). JAX's own detection is not consulted blindly: some of it (TPU metadata,
+    Kubernetes) makes network calls, and a plain `python train.py` must not try to join."""
+    found = _engines.find(method, env)
+    return None if found is None else found.cluster
 
 
 def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int,
              shutdown_timeout: int) -> None:
     """Check the coordinator port, then call `jax.distributed.initialize`."""
-    bind, timeout = None, initialization_timeout
-    if plan.coordinator is not None:
-        host, port = _net.split_host_port(plan.coordinator)
-        if not _net.resolves(host):
-            raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address; set it to "
-                             "the IP address or host name of the machine that runs process 0")
-        if plan.process_id == 0:
-            if problem := _net.port_problem(host, port):
-                raise ValueError(problem)
-            bind = plan.coordinator  # this interface only, not every interface of the host
-        timeout = _rendezvous.roll_call(host, port, plan.process_id, plan.num_processes,
-                                        initialization_timeout)
+    plan, bind, timeout = _meet(plan, initialization_timeout)
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         # The preemption service catches SIGTERM (a child outlived it by > 4 s): the launcher
         # stops ranks with SIGTERM, so it must stay off unless the user asks for it.
         jax.config.update("jax_enable_preemption_service", False)
     hint = _abort_hint(plan, timeout) if plan.coordinator is not None else None
     try:
-        jax.distributed.initialize(
-            coordinator_address=plan.coordinator, num_processes=plan.num_processes,
-            process_id=plan.process_id, local_device_ids=plan.local_device_ids,
-            cluster_detection_method=None if plan.cluster == "auto" else plan.cluster,
-            initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout,
-            shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
+        with warnings.catch_warnings():
+            # JAX notes in every pod that its own Kubernetes bootstrapping needs the
+            # `kubernetes` package; jdp read the job itself, so that note is noise.
+            warnings.filterwarnings("ignore", "Kubernetes environment detected")
+            jax.distributed.initialize(
+                coordinator_address=plan.coordinator, num_processes=plan.num_processes,
+                process_id=plan.process_id, local_device_ids=plan.local_device_ids,
+                cluster_detection_method=None if plan.cluster == "auto" else plan.cluster,
+                initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout,
+                shutdown_timeout_seconds=shutdown_timeout, coordinator_bind_address=bind)
     except RuntimeError as e:   # JAX's "too late", made to say what to do
         if "before any JAX" not in str(e) and "must be called before" not in str(e):
             raise
@@ -221,6 +220,36 @@ def _connect(plan: _Plan, *, initialization_timeout: int, heartbeat_timeout: int
     finally:
         if hint is not None:
             hint.cancel()
+    print(f"jdp: joined as process {jax.process_index()} of {jax.process_count()} via "
+          f"{plan.engine}", file=sys.stderr, flush=True)
+
+
+def _meet(plan: _Plan, timeout: int) -> tuple[_Plan, str | None, int]:
+    """Settle the coordinator's address (agreed through Ray, or a pod name resolved late),
+    check it, and hold the roll call; (plan, process 0's bind address, seconds left)."""
+    start, bind = time.monotonic(), None
+    if plan.coordinator is None and plan.engine == "Ray Train":
+        plan = plan._replace(coordinator=_engines.ray_coordinator())
+    if plan.coordinator is None and plan.cluster == "ompi":
+        coordinator, count, pid, local = _engines.open_mpi_coordinates(timeout)
+        plan = plan._replace(coordinator=coordinator, num_processes=count, process_id=pid,
+                             local_device_ids=plan.local_device_ids or local or None,
+                             cluster=None)
+    if plan.coordinator is None:
+        return plan, None, timeout
+    host, port = _net.split_host_port(plan.coordinator)
+    if plan.late_dns:   # pod 0's name is often published after the other pods start
+        host = _engines.wait_for_address(host, timeout)
+        plan = plan._replace(coordinator=_net.join_host_port(host, port))
+    if not _net.resolves(host):
+        raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address; set it to "
+                         "the IP address or host name of the machine that runs process 0")
+    if plan.process_id == 0:
+        if problem := _net.port_problem(host, port):
+            raise ValueError(problem)
+        bind = plan.coordinator  # this interface only, not every interface of the host
+    left = max(1.0, timeout - (time.monotonic() - start))
+    return plan, bind, _roll_call(host, port, plan, left)
 
 
 def _start_watchdog(env: Mapping[str, str]) -> None:
@@ -238,6 +267,15 @@ def _start_watchdog(env: Mapping[str, str]) -> None:
                          f"e.g. {_env.PROGRESS_TIMEOUT}=600")
     state = _jax_distributed.global_state
     _watch.start(state.client, state.process_id, state.num_processes, seconds)
+
+
+def _roll_call(host: str, port: int, plan: _Plan, timeout: float) -> int:
+    """Every process reports to process 0 (`_rendezvous.roll_call`) before JAX's join, and
+    the connections stay open to name a lost process (`_peers`); the seconds left."""
+    conns, left = _rendezvous.roll_call(host, port, plan.process_id, plan.num_processes,
+                                        timeout)
+    _peers.watch(conns, plan.process_id)
+    return left
 
 
 def _abort_hint(plan: _Plan, timeout: int) -> threading.Timer:
@@ -260,7 +298,9 @@ def _already_initialized(plan: _Plan) -> bool:
     state = _jax_distributed.global_state
     current = (state.coordinator_address, state.num_processes, state.process_id)
     wanted = (plan.coordinator, plan.num_processes, plan.process_id)
-    if plan.cluster is None and current != wanted:
+    same = current[1:] == wanted[1:] and (  # agreed (Ray) or resolved (pods) when joining
+        plan.coordinator is None or plan.late_dns or current[0] == wanted[0])
+    if plan.cluster is None and not same:
         raise RuntimeError(
             f"jdp.initialize() was already called for coordinator={current[0]}, num_processes="
             f"{current[1]}, process_id={current[2]}; it cannot switch to {wanted} within one "
@@ -281,6 +321,8 @@ def _install_fail_fast_excepthook() -> None:
     previous = sys.excepthook
 
     def fail_fast(exc_type, exc, tb):
+        if (lost := _peers.lost(exc)) is not None and hasattr(exc, "add_note"):
+            exc.add_note(lost)   # the failed collective's own message names no process
         _run.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
 
     fail_fast._jdp_previous = previous  # type: ignore[attr-defined]
@@ -304,6 +346,7 @@ def shutdown() -> None:
     if getattr(hook, "_jdp_previous", None):
         sys.excepthook = hook._jdp_previous  # type: ignore[attr-defined]
         sys.exit = hook._jdp_sys_exit  # type: ignore[attr-defined]
+    _peers.goodbye()
     jax.distributed.shutdown()
 
 
@@ -353,13 +396,4 @@ def _timeout(value: int | None, env_name: str, default: int, env: Mapping[str, s
     return seconds
 
 
-def _env_int(env: Mapping[str, str], name: str, meaning: str) -> int:
-    """Integer environment variable `name`; ValueError naming it and what it means."""
-    raw = env[name]
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; it must be {meaning}") from None
-    if value < 0:
-        raise ValueError(f"{name}={value} is negative; it must be {meaning}")
-    return value
+_env_int = _engines.integer   # an integer variable, or ValueError naming it

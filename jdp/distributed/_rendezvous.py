@@ -4,12 +4,14 @@ When some process never shows up, `jax.distributed.initialize` ends process 0 wi
 a C++ stack dump after its timeout, naming nobody. So every process first reports to process 0
 on the coordinator port itself, before JAX's coordinator listens there, in jdp's own wire
 format (`jdp.job.net`: {"rank": k}, answered by {"go": true} once all have reported);
-process 0 raises TimeoutError naming the processes that did not. The port is then handed to
-JAX's coordinator (whose clients retry until it listens).
+process 0 raises TimeoutError naming the processes that did not. Each report carries the
+process count that process was started with: a different one is refused on both sides, naming
+the process and both counts. The port is then handed to JAX's coordinator (whose clients retry
+until it listens); the roll call's connections stay open, for `_peers` to notice a lost process.
 
 Cost: one connection and two small messages per process; process 0 holds the N - 1
-connections until all have reported (it raises its open-file limit to fit), so N file
-descriptors there for the roll call's few seconds, nothing afterwards.
+connections for the whole job (it raises its open-file limit to fit): N file descriptors
+there, one on every other process, and no traffic after the roll call but a goodbye at exit.
 """
 from __future__ import annotations
 
@@ -25,15 +27,16 @@ except ImportError:   # not on Windows: there the open-file limit stays as it is
 _HELLO_S = 2.0          # how long a connection may take to say which process it is
 
 
-def roll_call(host: str, port: int, rank: int, world: int, timeout_s: float) -> int:
-    """Every process reports to process 0 before JAX's join; the whole seconds left of
-    `timeout_s` (at least 1), for the join itself."""
+def roll_call(host: str, port: int, rank: int, world: int,
+              timeout_s: float) -> tuple[dict, int]:
+    """Every process reports to process 0 before JAX's join; ({rank: open connection}, the
+    whole seconds left of `timeout_s` (at least 1), for the join itself)."""
     start = time.monotonic()
     if rank == 0:
-        gather(host, port, world, timeout_s)
+        conns = gather(host, port, world, timeout_s)
     else:
-        report(host, port, rank, timeout_s)
-    return max(1, int(timeout_s - (time.monotonic() - start) + 0.999))
+        conns = {0: report(host, port, rank, world, timeout_s)}
+    return conns, max(1, int(timeout_s - (time.monotonic() - start) + 0.999))
 
 
 def _room_for(connections: int) -> None:
@@ -48,10 +51,12 @@ def _room_for(connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, top), hard))
 
 
-def gather(host: str, port: int, world: int, timeout_s: float) -> None:
-    """Process 0: wait until processes 1..world-1 have reported, then let them all go;
-    TimeoutError naming the processes that did not report within `timeout_s`."""
+def gather(host: str, port: int, world: int, timeout_s: float) -> dict:
+    """Process 0: wait until processes 1..world-1 have reported, then let them all go and
+    return their connections {rank: socket}; TimeoutError naming the processes that did not
+    report within `timeout_s`, ValueError (on both sides) for one started with another count."""
     joined: dict = {}
+    kept = False
     deadline = time.monotonic() + timeout_s
     _room_for(world)
     with _net.listen(host, port, world + 8) as server:
@@ -65,7 +70,10 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> None:
                     conn, _ = server.accept()
                 except TimeoutError:
                     continue
-                rank = (_net.receive_one(conn, _HELLO_S) or {}).get("rank")
+                hello = _net.receive_one(conn, _HELLO_S) or {}
+                rank = hello.get("rank")
+                if hello.get("world", world) != world:
+                    _refuse(conn, joined, _mismatch(rank, hello["world"], world))
                 if not isinstance(rank, int) or not 0 < rank < world:
                     conn.close()
                     continue
@@ -74,28 +82,51 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> None:
                 joined[rank] = conn
             for conn in joined.values():
                 _net.send(conn, {"go": True})
+            kept = True
+            return joined
         finally:
-            for conn in joined.values():
+            for conn in joined.values() if not kept else ():
                 conn.close()
 
 
-def report(host: str, port: int, rank: int, timeout_s: float) -> None:
-    """Process `rank` > 0: report to process 0 and wait for its "go" (TimeoutError if process
-    0 did not answer within `timeout_s`)."""
+def report(host: str, port: int, rank: int, world: int, timeout_s: float):
+    """Process `rank` > 0: report to process 0 and wait for its "go"; the connection, kept
+    open. TimeoutError if process 0 did not answer within `timeout_s`, ValueError when it
+    refused this process (another process count)."""
     deadline = time.monotonic() + timeout_s
     while (conn := _net.connect(host, port, deadline - time.monotonic())) is not None:
-        with conn:
-            try:
-                _net.send(conn, {"rank": rank})
-            except OSError:
-                continue
-            if _net.receive_one(conn, deadline - time.monotonic()) == {"go": True}:
-                return
+        try:
+            _net.send(conn, {"rank": rank, "world": world})
+            answer = _net.receive_one(conn, deadline - time.monotonic())
+        except OSError:
+            answer = None
+        if answer == {"go": True}:
+            return conn
+        conn.close()
+        if answer and "refused" in answer:
+            raise ValueError(answer["refused"])
         time.sleep(0.1)
     raise TimeoutError(
         f"process {rank} could not reach the coordinator at {_net.join_host_port(host, port)} "
         f"within {timeout_s:g} s; check that process 0 runs and that MASTER_ADDR/MASTER_PORT "
         "name its address and port (or raise JDP_INIT_TIMEOUT)")
+
+
+def _mismatch(rank, theirs, world: int) -> str:
+    return (f"process {rank} was started for a job of {theirs} processes but process 0 for "
+            f"{world} (WORLD_SIZE / the process count differs); start every process with the "
+            "same number of processes")
+
+
+def _refuse(conn, joined: dict, message: str):
+    """Tell the refused process and those already reported why, then raise it here."""
+    for other in (conn, *joined.values()):
+        try:
+            _net.send(other, {"refused": message})
+        except OSError:
+            pass
+    conn.close()
+    raise ValueError(message)
 
 
 def _missing_message(host: str, port: int, world: int, joined: dict, timeout_s: float) -> str:

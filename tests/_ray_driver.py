@@ -1,0 +1,58 @@
+"""The driver of tests/test_ray.py: a local Ray cluster (2 CPUs), then Ray Train's JaxTrainer
+with 2 workers whose loop calls only `jdp.initialize()` (no mapping of Ray's context).
+
+    python tests/_ray_driver.py STORAGE_DIR train kill
+
+train: the engine tests' loop (tests/_engine_train.py; every worker prints its losses).
+kill: collectives until worker 1 kills itself with SIGKILL at step 20; fit() must raise.
+Runs the modes in order on one cluster; prints "FIT <mode> OK" or "FIT <mode> FAILED <type>:
+<message on one line>" for each.
+"""
+import os
+import signal
+import sys
+
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.v2.jax import JaxTrainer
+
+
+def train(config):
+    import _engine_train
+    _engine_train.main()
+
+
+def kill(config):
+    import jax
+    import numpy as np
+
+    import jdp
+    jdp.initialize()
+    f = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
+    for step in range(10**6):
+        if step == 20 and jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        f(np.ones(1, np.float32)).block_until_ready()
+
+
+def main(storage: str, *modes: str) -> None:
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        for mode in modes:
+            fit(mode, storage)
+    finally:
+        ray.shutdown()
+
+
+def fit(mode: str, storage: str) -> None:
+    try:
+        JaxTrainer({"train": train, "kill": kill}[mode],
+                   scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name=mode, storage_path=storage)).fit()
+        print(f"FIT {mode} OK", flush=True)
+    except Exception as e:   # noqa: BLE001 -- the test reads the error
+        print(f"FIT {mode} FAILED {type(e).__name__}: {' '.join(str(e).split())}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
