@@ -12,7 +12,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from jdp.launch import _env, _goodput, _net, _rounds, _supervisor
+from jdp.launch import _env, _goodput, _net, _profile_opts, _rounds, _supervisor
 from jdp.launch._outcome import Job, Outcome
 
 WHO = "jdp.launch"
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: see 'compilation cache' below)")
     p.add_argument("--devices_per_process", type=int, default=None, metavar="k",
                    help="give each process k simulated CPU devices (testing without GPUs)")
+    _profile_opts.add_argument(p)
     p.add_argument("script", help="the training script (or module with -m, program with\n"
                                   "--no_python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
@@ -173,6 +174,8 @@ def _problem(args: argparse.Namespace) -> str | None:
     problem = problem or _seconds_problem(args, "stop_grace", _env.STOP_GRACE,
                                           _supervisor.STOP_GRACE_S)
     if problem:
+        return problem
+    if problem := _profile_opts.problem(args.profile_steps, args.logdir):
         return problem
     if args.redirect_stdout_and_stderr and args.logdir is None:
         return "--redirect_stdout_and_stderr needs --logdir DIR (where the output goes)"
@@ -295,7 +298,8 @@ def launch(args: argparse.Namespace) -> int:
             port = args.master_port or _net.free_port(args.master_addr)   # fresh per round
             output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
                                         append=r > 0)
-            return _supervisor.run(rank_specs(args, port, r, cache_env, place), output, limits,
+            env = {**cache_env, **_profile_opts.rank_env(args.profile_steps, args.logdir)}
+            return _supervisor.run(rank_specs(args, port, r, env, place), output, limits,
                                    place.stop, ledger, place.drain)
 
         rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
