@@ -74,19 +74,23 @@ class Bench:
             self._run(name, 3)
 
     def _run(self, name: str, steps: int, annotate: bool = False) -> None:
-        """`steps` steps, each waited for (so a profile can tell them apart)."""
+        """`steps` steps as a training loop runs them (at most 2 queued); with `annotate`,
+        each in its own `train` step annotation and waited for, so a profile tells them
+        apart."""
         import jax
-        v = self.variants[name]
+        v, pending = self.variants[name], []
         state = v.state
         for k in range(steps):
             if annotate:
                 with jax.profiler.StepTraceAnnotation("train", step_num=k):
                     state, metrics = v.step(state, v.batch)
                     jax.block_until_ready(metrics)
-            else:
-                state, metrics = v.step(state, v.batch)
-                jax.block_until_ready(metrics)
-        self.variants[name] = v._replace(state=jax.block_until_ready(state))
+                continue
+            state, metrics = v.step(state, v.batch)
+            pending.append(metrics)
+            if len(pending) > 2:
+                jax.block_until_ready(pending.pop(0))
+        self.variants[name] = v._replace(state=jax.block_until_ready((state, pending))[0])
 
     def time(self, request: dict) -> dict:
         self._run(request["variant"], 1)
@@ -193,8 +197,9 @@ def plan(root: str, torch: bool, settings: dict) -> list[jobs.Job]:
 
 
 def measure(workers: dict, rounds: int, target_s: float) -> dict:
-    """Interleaved rounds of "time" requests; then a profile of each 2 x 1 job's jdp step.
-    Returns {"ms": key -> [ms per step per round], "profile": job -> breakdown}."""
+    """Interleaved rounds of "time" requests; then a profile of each 2 x 1 job's steps.
+    Returns {"ms": key -> [ms per step per round], "cpu": key -> [rank 0's CPU ms per step],
+    "profile": key -> breakdown}."""
     keys, steps = [], {}
     for job, w in workers.items():
         for v in w.info["variants"]:
@@ -210,13 +215,14 @@ def measure(workers: dict, rounds: int, target_s: float) -> dict:
         cpu.setdefault(key, []).append(res["user_ms_per_step"] + res["sys_ms_per_step"])
         return res["seconds"] * 1e3 / steps[key]
     ms = harness.interleave(one, keys, rounds)
-    profile = {job: w.request(op="profile", variant="jdp", steps=PROFILE_STEPS, k=job)
-               for job, w in workers.items() if job.startswith("2x1")}
+    profile = {key: workers[key.split(":")[0]].request(
+        op="profile", variant=key.split(":")[1], steps=PROFILE_STEPS, k=key.replace(":", "."))
+        for key in keys if key.startswith("2x1")}
     return {"ms": ms, "cpu": cpu, "profile": profile}
 
 
-def table(r: dict) -> str:
-    """The side-by-side table and the 2 x 1 breakdown, as markdown."""
+def render(r: dict) -> str:
+    """The side-by-side table, the 2 x 1 breakdown and the jobs' commands, as markdown."""
     ms, base = r["ms"], "torch:ddp"
 
     def vs_torch(key: str) -> str:
@@ -232,10 +238,13 @@ def table(r: dict) -> str:
                         "samples/s", "samples/s vs torch DDP (per-round median)",
                         "rank 0 CPU ms / step"], rows)
     parts = ["compute", "collective", "wait", "host", "wall"]
-    prof = [[f"`{job}`", *(report.fmt(p[k], 1) for k in parts)]
-            for job, p in r["profile"].items()]
-    return out + "\n" + report.table(["2 x 1 jdp step, ms (mean of steps and ranks)",
-                                      *parts], prof)
+    prof = [[f"`{key}`", *(report.fmt(p[k], 1) for k in parts)]
+            for key, p in r["profile"].items()]
+    hook = (f"\nThe `--profile_steps` hook, off: {r['hook_us']:.2f} µs per train step call "
+            f"(`benchmarks.layouts.hook_cost`).\n\nJobs:\n\n")
+    commands = "".join(f"- `{name}`: `{cmd}`\n" for name, cmd in r["commands"].items())
+    return out + "\n" + report.table(["2 x 1 step, ms (mean of 8 steps and both ranks)",
+                                      *parts], prof) + hook + commands
 
 
 LABELS = {"torch:ddp": "PyTorch DDP, torchrun 2 x 1 thread, gloo",
@@ -244,13 +253,15 @@ LABELS = {"torch:ddp": "PyTorch DDP, torchrun 2 x 1 thread, gloo",
           "2x1:hand": "hand-written jit(shard_map), same 2 processes"}
 
 
-def run(rounds: int = 5, target_s: float = 1.0, settings: dict | None = None) -> dict:
-    """Start the jobs, measure, stop them; the results for `table`."""
+def run(rounds: int = 5, target_s: float = 1.0, settings: dict | None = None,
+        only: list | None = None) -> dict:
+    """Start the jobs (those named in `only`, default all), measure, stop them; the results
+    for `table`."""
     import importlib.util
     torch = importlib.util.find_spec("torch") is not None
     settings = SETTINGS if settings is None else settings
     with tempfile.TemporaryDirectory(prefix="jdp-layouts-") as root:
-        todo = plan(root, torch, settings)
+        todo = [j for j in plan(root, torch, settings) if not only or j.name in only]
         workers = {j.name: harness.Worker(j.name, j.argv, j.env, j.control, jobs.REPO)
                    for j in todo}
         try:
@@ -262,26 +273,53 @@ def run(rounds: int = 5, target_s: float = 1.0, settings: dict | None = None) ->
                 w.stop()
     labels = {**LABELS, **{f"2x1 {n}:jdp": f"2 x 1 with {' '.join(f'{k}={v}' for k, v in e.items())}"
                            for n, e in settings.items()}}
-    return {**r, "labels": labels, "commands": {j.name: jobs.command_line(j) for j in todo}}
+    extra = {f"2x1 {n}": " ".join(f"{k}={v}" for k, v in e.items() if k != "XLA_FLAGS") + " "
+             for n, e in settings.items()}
+    commands = {j.name: (extra.get(j.name, "") + jobs.command_line(j)).strip().replace(root, "$DIR")
+                for j in todo}
+    return {**r, "labels": labels, "commands": commands,
+            "hook_us": hook_cost()}
 
 
-SETTINGS: dict = {}   # 2 x 1 variants to compare (name -> environment of the launch)
+def hook_cost(calls: int = 200_000) -> float:
+    """Microseconds per call of the profile hook every jdp train step makes, with no profile
+    asked (`--profile_steps` off): what the option costs a step when it is off."""
+    from jdp.metrics import _profile
+    if _profile.window_from_env() is not None:
+        raise RuntimeError(f"unset {_profile.STEPS} to measure the hook with profiling off")
+    start = time.perf_counter()
+    for n in range(1, calls + 1):
+        _profile.before_step(n)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+# The 2 x 1 settings compared with the launch as it is (name -> environment of the launch):
+# XLA:CPU's thread pools sized 1 per process (PJRT_NPROC, read by jaxlib's CPU client), and
+# Eigen's intra-op threading off.
+SETTINGS: dict = {"nproc1": {"PJRT_NPROC": "1"},
+                  "noeigen": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}}
+
+
+def table(rounds: int = 9, target_s: float = 1.5) -> str:
+    """`make bench`'s table 14: run every job, render."""
+    return render(run(rounds, target_s))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target_s", type=float, default=1.0)
+    p.add_argument("--only", default="", help="comma-separated job names (default: all)")
     p.add_argument("--setting", action="append", default=[], metavar="NAME:VAR=V[,VAR=V]",
                    help="also run 2 x 1 with these environment variables")
     args = p.parse_args(argv)
-    settings = {}
+    settings = None if not args.setting else {}
     for s in args.setting:
         name, _, assigns = s.partition(":")
         settings[name] = dict(a.split("=", 1) for a in assigns.split(","))
-    r = run(args.rounds, args.target_s, settings)
+    r = run(args.rounds, args.target_s, settings, [j for j in args.only.split(",") if j])
     print(json.dumps({k: r[k] for k in ("ms", "cpu", "profile")}, indent=1), file=sys.stderr)
-    print(table(r))
+    print(render(r))
 
 
 if __name__ == "__main__":

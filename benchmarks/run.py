@@ -56,7 +56,11 @@ TABLES = [*report.TABLES,
               "checkpoint", lambda r: importlib.import_module(
                   "benchmarks.bench_checkpoint").table())),
           ("13. What the progress records cost a step", selected(
-              "progress", lambda r: importlib.import_module("benchmarks.bench_progress").table()))]
+              "progress", lambda r: importlib.import_module("benchmarks.bench_progress").table())),
+          ("14. One process per device (jdp.launch 2 x 1) against one process with both devices, "
+           "a hand-written jit(shard_map) step and PyTorch DDP (torchrun); where the 2 x 1 step's "
+           "time goes", selected("layouts", lambda r: importlib.import_module(
+               "benchmarks.layouts").table()))]
 
 
 def measure(workers: dict, settings: dict) -> dict:
@@ -143,7 +147,7 @@ def main(argv=None) -> None:
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
-                   "`input`, `overhead`, `checkpoint` or `progress` for those tables "
+                   "`input`, `overhead`, `checkpoint`, `progress` or `layouts` for those tables "
                    "(default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])

@@ -49,7 +49,7 @@ def block(results):
     from benchmarks import overhead, run
     stub = "| {} | value |\n| --- | --- |\n| stub | 1 |\n"
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("bench_input", "bench_checkpoint", "bench_progress"):
+        for name in ("bench_input", "bench_checkpoint", "bench_progress", "layouts"):
             patch.setitem(sys.modules, f"benchmarks.{name}", types.SimpleNamespace(
                 table=lambda name=name: stub.format(name)))
         patch.setattr(overhead, "table", lambda **_: stub.format("overhead"))

@@ -81,3 +81,34 @@ def test_the_environment_asks_ranks_under_srun_or_mpirun():
     assert _profile.window_from_env({_profile.STEPS: "7:7"}).directory == "profile"
     with pytest.raises(ValueError, match="JDP_PROFILE_STEPS='6:4': expected A:B"):
         _profile.window_from_env({_profile.STEPS: "6:4"})
+
+
+def test_the_layouts_breakdown_splits_each_step_into_parts_that_add_up():
+    """Two ranks, one step: rank 0 arrives first and waits 3 ms in an all-reduce of 5 ms;
+    rank 1's all-reduce (2 ms) is the transfer itself."""
+    from benchmarks import layouts
+    ranks = [[{"wall": 20.0, "compute": 12.0, "all_reduce": 5.0}],
+             [{"wall": 20.0, "compute": 15.0, "all_reduce": 2.0}]]
+    parts = layouts.breakdown(ranks)
+    expected = {"compute": 13.5, "collective": 2.0, "wait": 1.5, "host": 3.0, "wall": 20.0}
+    assert parts == pytest.approx(expected)
+    assert layouts._union([(0, 4), (2, 6), (8, 9)]) == 7
+
+
+def test_the_layouts_step_figures_read_a_real_trace(tmp_path):
+    """Three annotated steps of a jitted function: three steps, each with XLA ops inside."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import layouts
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for k in range(3):
+            with jax.profiler.StepTraceAnnotation("train", step_num=k):
+                f(x).block_until_ready()
+    steps = layouts.step_figures(glob.glob(f"{tmp_path}/**/*.xplane.pb", recursive=True)[0])
+    assert len(steps) == 3
+    for s in steps:
+        assert 0 < s["compute"] <= s["wall"] and s["all_reduce"] == 0
