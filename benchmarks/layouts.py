@@ -55,7 +55,6 @@ def hand_step(loss_fn):
 
 def build(name: str):
     """A variant's step, placed state and fixed batch (the `nn.max_pool` CNN)."""
-    import jdp
     from benchmarks import worker
     v = worker.build("maxpool", 64)
     if name == "hand":
@@ -271,8 +270,8 @@ def run(rounds: int = 5, target_s: float = 1.0, settings: dict | None = None,
         finally:
             for w in workers.values():
                 w.stop()
-    labels = {**LABELS, **{f"2x1 {n}:jdp": f"2 x 1 with {' '.join(f'{k}={v}' for k, v in e.items())}"
-                           for n, e in settings.items()}}
+    labels = {**LABELS, **{f"2x1 {n}:jdp": "2 x 1 with " + " ".join(
+        f"{k}={v}" for k, v in e.items()) for n, e in settings.items()}}
     extra = {f"2x1 {n}": " ".join(f"{k}={v}" for k, v in e.items() if k != "XLA_FLAGS") + " "
              for n, e in settings.items()}
     commands = {j.name: (extra.get(j.name, "") + jobs.command_line(j)).strip().replace(root, "$DIR")
