@@ -68,6 +68,18 @@ def test_a_bad_profile_range_is_a_one_line_error(tmp_path, options, expected):
     assert not os.path.exists(tmp_path / "logs" / "profile")
 
 
+def test_spawn_traces_the_steps_asked_for_on_every_rank(tmp_path, monkeypatch):
+    import _profile_targets as targets
+
+    import jdp
+    for key, value in job_env("profile-spawn").items():
+        monkeypatch.setenv(key, value)
+    jdp.spawn(targets.train, args=(4,), nprocs=2, logdir=str(tmp_path), profile_steps="3:4")
+    for rank in (0, 1):
+        found = glob.glob(f"{tmp_path}/profile/rank.{rank}/plugins/profile/*/*.xplane.pb")
+        assert len(found) == 1 and traced_steps(found[0]) == [3, 4]
+
+
 def test_spawn_refuses_a_profile_without_logdir_before_starting():
     from jdp.launch._spawn import spawn
     with pytest.raises(ValueError, match="profile_steps='1:2' needs logdir=DIR"):
