@@ -124,3 +124,16 @@ def test_the_layouts_step_figures_read_a_real_trace(tmp_path):
     assert len(steps) == 3
     for s in steps:
         assert 0 < s["compute"] <= s["wall"] and s["all_reduce"] == 0
+
+
+def test_a_trace_the_user_runs_already_is_left_alone(tmp_path, monkeypatch):
+    """jax allows one trace at a time: the user's keeps running, jdp warns and steps on."""
+    import jax
+    monkeypatch.setattr(_profile._State, "window", _profile.Window(1, 2, str(tmp_path / "jdp")))
+    monkeypatch.setattr(_profile._State, "read", True)
+    with jax.profiler.trace(str(tmp_path / "mine")):
+        with pytest.warns(UserWarning, match="Not tracing"):
+            assert _profile.before_step(1) is None
+        assert _profile.before_step(2) is None
+    assert not _profile._State.tracing and not os.path.exists(tmp_path / "jdp")
+    assert glob.glob(f"{tmp_path}/mine/**/*.xplane.pb", recursive=True)

@@ -7,7 +7,9 @@ and `JDP_PROFILE_DIR` (LOGDIR/profile) for every rank; under srun or mpirun a us
 starts before step A is dispatched and stops once step B has finished, written to
 DIR/rank.K/plugins/profile/<time>/<host>.xplane.pb (TensorBoard's profile plugin) with a
 `perfetto_trace.json.gz` beside it (ui.perfetto.dev). Each traced step is a
-`StepTraceAnnotation("train", step_num=n)`, which TensorBoard's step views group by.
+`StepTraceAnnotation("train", step_num=n)`, which TensorBoard's step views group by. Each
+train step function counts its own calls; with several, the first to reach step A starts the
+trace. A trace the user started already (`jax.profiler.trace`) is left alone, with a warning.
 
 It lives with the metrics, not the launcher: ranks import it (they must not import the
 launcher) and the launcher reads its option parser (standard library at import; JAX is
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 from typing import Any, NamedTuple
 
 STEPS = "JDP_PROFILE_STEPS"   # "A:B": trace training steps A..B (from 1, both included)
@@ -69,11 +72,20 @@ def before_step(n: int) -> Any:
         return None
     import jax
     if not _State.tracing and n == w.first:
-        rank_dir = os.path.join(w.directory, f"rank.{jax.process_index()}")
-        jax.profiler.start_trace(rank_dir, create_perfetto_trace=True)
-        _State.tracing = True
-        atexit.register(_stop)   # a run that ends before step B still keeps its trace
+        _start(os.path.join(w.directory, f"rank.{jax.process_index()}"))
     return jax.profiler.StepTraceAnnotation("train", step_num=n) if _State.tracing else None
+
+
+def _start(rank_dir: str) -> None:
+    """Start this rank's trace; a trace the user already runs wins (jax allows one at a time)."""
+    import jax
+    try:
+        jax.profiler.start_trace(rank_dir, create_perfetto_trace=True)
+    except RuntimeError as e:
+        warnings.warn(f"jdp: {STEPS} asked for a trace, but {e} Not tracing.", stacklevel=3)
+        return
+    _State.tracing = True
+    atexit.register(_stop)   # a run that ends before step B still keeps its trace
 
 
 def after_step(n: int, done: Any) -> None:
