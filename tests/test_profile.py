@@ -137,3 +137,19 @@ def test_a_trace_the_user_runs_already_is_left_alone(tmp_path, monkeypatch):
         assert _profile.before_step(2) is None
     assert not _profile._State.tracing and not os.path.exists(tmp_path / "jdp")
     assert glob.glob(f"{tmp_path}/mine/**/*.xplane.pb", recursive=True)
+
+
+def test_the_launcher_sends_ranks_the_steps_and_logdir_profile(monkeypatch):
+    """The option sets both variables; the variable alone gets LOGDIR/profile as its
+    directory unless JDP_PROFILE_DIR names one; nothing without a range."""
+    from jdp.launch import _profile_opts
+    monkeypatch.delenv(_profile.STEPS, raising=False)
+    monkeypatch.delenv(_profile.DIR, raising=False)
+    where = os.path.abspath("/x/profile")
+    assert _profile_opts.rank_env("4:5", "/x") == {_profile.STEPS: "4:5", _profile.DIR: where}
+    assert _profile_opts.rank_env(None, "/x") == {}
+    monkeypatch.setenv(_profile.STEPS, "2:3")
+    assert _profile_opts.rank_env(None, "/x") == {_profile.DIR: where}
+    assert _profile_opts.rank_env(None, None) == {}
+    monkeypatch.setenv(_profile.DIR, "/elsewhere")
+    assert _profile_opts.rank_env(None, "/x") == {}
