@@ -95,7 +95,7 @@ exit status: 0 when every process exits 0; the failed rank's status; 124 when th
 watchdog stopped the job; 128+N after signal N to the launcher; 2 for bad arguments.
 
 CPU nodes: one process with all the node's devices (--nproc_per_node 1 --devices_per_process N)
-  is the faster layout on a node of your own: the same step with 11-15 % less CPU and no
+  is the faster layout on a node of your own: the same step with ~10 % less CPU and no
   cross-process all-reduce; one process per device pays for the transfer and for the ranks
   waiting on each other. See docs/performance.md; --profile_steps shows it in your own job.
 """
