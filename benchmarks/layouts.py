@@ -8,9 +8,10 @@ interleaved rounds (`benchmarks.harness`): PyTorch DDP (torchrun, 2 ranks, gloo)
 jdp with 1 process x 2 devices, jdp.launch with 2 processes x 1 device (as launched, and with
 the settings tried below), and a hand-written `jax.jit(shard_map)` step in the same 2
 processes (the floor for jdp: JAX's own step, no jdp code). A profile of the 2 x 1 step on
-both ranks then splits it (`breakdown`): compute (XLA ops running), collective (the all-reduce on the rank that arrives
-last: the transfer itself), wait (the rest of the all-reduce: waiting for the other rank) and
-host (the step's remaining wall time: dispatch, Python, threads waking up).
+both ranks then splits it (`breakdown`): compute (XLA ops running), collective (the
+all-reduce on the rank that arrives last: the transfer itself), wait (the rest of the
+all-reduce: waiting for the other rank) and host (the step's remaining wall time: dispatch,
+Python, threads waking up).
 
 Worker side: `python -m benchmarks.layouts worker CONTROL VARIANTS` (`jdp`, `hand`).
 """
