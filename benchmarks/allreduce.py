@@ -4,8 +4,9 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m benchmarks.allreduce torch
 
 Each rank prints the median milliseconds of an all-reduce of BYTES (the seed CNN's gradient) in
-16 alternated rounds: after 100 ms asleep, and after a 100 ms busy loop (what a training step's
-compute is to the all-reduce that follows it). docs/performance.md tells what the difference means.
+16 alternated rounds: right after a barrier, after 100 ms asleep, and after a 100 ms busy loop
+(what a training step's compute is to the all-reduce that follows it). docs/performance.md
+tells what the difference means.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ ROUNDS = 16
 
 
 def _measure(all_reduce, barrier) -> dict:
-    """Median ms of `all_reduce()` after sleeping and after spinning 100 ms, alternated."""
-    res: dict = {"after sleep": [], "after busy": []}
+    """Median ms of `all_reduce()` at once, after sleeping and after spinning 100 ms."""
+    res: dict = {"at once": [], "after sleep": [], "after busy": []}
     for i in range(ROUNDS):
         for mode in list(res)[:: 1 if i % 2 == 0 else -1]:
             barrier(f"allreduce{i}{mode}")
@@ -27,7 +28,7 @@ def _measure(all_reduce, barrier) -> dict:
             if mode == "after busy":
                 while time.perf_counter() < end:
                     pass
-            else:
+            elif mode == "after sleep":
                 time.sleep(0.1)
             start = time.perf_counter()
             all_reduce()
