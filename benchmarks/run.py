@@ -60,7 +60,11 @@ TABLES = [*report.TABLES,
           ("14. Coordination at scale: requests, bytes and time per agreement point, watchdog "
            "and roll call vs the number of processes", selected(
               "coordination", lambda r: importlib.import_module(
-                  "benchmarks.bench_coordination").table()))]
+                  "benchmarks.bench_coordination").table())),
+          ("15. One process per device (jdp.launch 2 x 1) against one process with both devices, "
+           "a hand-written jit(shard_map) step and PyTorch DDP (torchrun); where the 2 x 1 step's "
+           "time goes", selected("layouts", lambda r: importlib.import_module(
+               "benchmarks.layouts").table()))]
 
 
 def measure(workers: dict, settings: dict) -> dict:
@@ -147,8 +151,8 @@ def main(argv=None) -> None:
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
-                   "`input`, `overhead`, `checkpoint`, `progress` or `coordination` for those "
-                   "tables "
+                   "`input`, `overhead`, `checkpoint`, `progress`, `coordination` or `layouts` "
+                   "for those tables "
                    "(default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])

@@ -50,7 +50,7 @@ def block(results):
     stub = "| {} | value |\n| --- | --- |\n| stub | 1 |\n"
     with pytest.MonkeyPatch.context() as patch:
         for name in ("bench_input", "bench_checkpoint", "bench_progress",
-                     "bench_coordination"):
+                     "bench_coordination", "layouts"):
             patch.setitem(sys.modules, f"benchmarks.{name}", types.SimpleNamespace(
                 table=lambda name=name: stub.format(name)))
         patch.setattr(overhead, "table", lambda **_: stub.format("overhead"))

@@ -17,6 +17,7 @@ import numpy as np
 
 from jdp.core import _checks
 from jdp.job import progress as _progress
+from jdp.metrics import profile as _profile
 
 
 def make_step(body: Callable, check: Callable, transform: Callable, place_stop: Callable, *,
@@ -60,14 +61,21 @@ def make_step(body: Callable, check: Callable, transform: Callable, place_stop: 
         calls[0] += 1
         # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
         _progress.record(phase, calls[0] if train else None)
+        traced_step = _profile.before_step(calls[0]) if train else None
         tracing[0] = (state, batch)
         try:
-            out, done = compiled(state, batch, stop_array())
+            if traced_step is None:
+                out, done = compiled(state, batch, stop_array())
+            else:
+                with traced_step:
+                    out, done = compiled(state, batch, stop_array())
         except Exception:
             check(state, batch)  # inputs the transform refused before tracing: say why
             raise
         finally:
             tracing[0] = None
+        if traced_step is not None:
+            _profile.after_step(calls[0], done)
         pending.append(done)
         if len(pending) > max_in_flight:
             _settle(pending.popleft(), train)

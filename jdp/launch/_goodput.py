@@ -33,6 +33,7 @@ import types
 from typing import NamedTuple
 
 from jdp.job import progress as _progress
+from jdp.launch import _profile_opts
 
 STRAGGLER_FRACTION = 0.2   # median lag / median step time that names a straggler
 MIN_LAG_S = 0.01           # and by at least this much: below, it is scheduling noise
@@ -297,7 +298,8 @@ class Ledger:
                 "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
                 "rounds": self.rounds, "lost_steps": self.lost_steps,
                 "stragglers": self.stragglers,
-                "ranks": {str(r): d for r, d in ranks.items()}}
+                "ranks": {str(r): d for r, d in ranks.items()},
+                "profiles": _profile_opts.trace_files(self.logdir)}
 
     def line(self, summary: dict | None = None) -> str:
         """The one `goodput` line."""
@@ -315,6 +317,8 @@ class Ledger:
                 f"straggler rank {x['rank']} ({x['lag_s']:.3g} s behind per step, "
                 f"{100 * x['lag_of_step']:.0f} % of a step; slowest phase {x['slowest_phase']})"
                 for x in s["stragglers"])
+        if s.get("profiles"):   # --profile_steps: where the ranks' traces went
+            text += "; " + _profile_opts.describe(s["profiles"])
         return text
 
     def say(self) -> None:

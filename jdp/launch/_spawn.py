@@ -21,7 +21,7 @@ from jdp.job import env as _env
 from jdp.job import net as _net
 from jdp.job import run as _run
 from jdp.job.outcome import Job, Outcome, State, report
-from jdp.launch import _goodput, _supervisor
+from jdp.launch import _goodput, _profile_opts, _supervisor
 
 WHO = "jdp.spawn"
 
@@ -50,7 +50,8 @@ class ProcessExitedException(ProcessException):
 def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
           devices_per_process: int | None = None, timeout: float | None = None,
           progress_timeout: float | None = None,
-          stop_grace: float = _supervisor.STOP_GRACE_S, logdir: str | None = None) -> None:
+          stop_grace: float = _supervisor.STOP_GRACE_S, logdir: str | None = None,
+          profile_steps: str | None = None) -> None:
     """Run `fn(rank, *args)` in `nprocs` new processes that form one jdp job; wait for all.
 
     Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR
@@ -75,6 +76,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
             (see `jdp.preempted`) before SIGKILL.
         logdir: where to write summary.json (where the time went, stragglers) and those
             figures as metrics (`jdp.metrics`), as the launcher's --logdir.
+        profile_steps: "A:B", the launcher's --profile_steps: every rank writes a
+            `jax.profiler` trace of jdp's training steps A..B to `logdir`/profile/rank.K
+            (needs `logdir`; None reads JDP_PROFILE_STEPS).
 
     Raises:
         ProcessRaisedException: a rank raised; the message names it and holds its traceback.
@@ -90,6 +94,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         ...     jdp.spawn(main, args=(100,), nprocs=2, devices_per_process=2)
     """
     _check(fn, nprocs, devices_per_process)
+    if problem := _profile_opts.problem(profile_steps, logdir, "profile_steps=", "logdir=DIR"):
+        raise ValueError(problem)
     if progress_timeout is None and os.environ.get(_env.PROGRESS_TIMEOUT):
         progress_timeout = float(os.environ[_env.PROGRESS_TIMEOUT])
     limits = _supervisor.Limits(timeout_s=timeout, progress_timeout_s=progress_timeout,
@@ -105,7 +111,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
             f.write(_pickled(fn, args))
         cmd = [sys.executable, "-u", _supervisor.RUNNER, "--spawn", payload]
         port = _net.free_port()
-        specs = [_supervisor.RankSpec(r, cmd, _rank_env(r, nprocs, port, tmp, devices_per_process))
+        profile_env = _profile_opts.rank_env(profile_steps, logdir)
+        specs = [_supervisor.RankSpec(r, cmd, {**_rank_env(r, nprocs, port, tmp,
+                                                           devices_per_process), **profile_env})
                  for r in range(nprocs)]
         ledger = _goodput.Ledger(WHO, logdir, from_process_start=False)
         outcome = _supervisor.run(specs, _supervisor.Output(), limits, ledger=ledger)
