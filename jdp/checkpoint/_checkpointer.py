@@ -133,7 +133,7 @@ class Checkpointer:
         self._wait()
         step = _as_step(step)
         _checks.not_donated(state)
-        found = tree.leaves(pmap.to_global(state), "Checkpointer.save")
+        found = tree.leaves(pmap.to_global(state, "Checkpointer.save"), "Checkpointer.save")
         position = _loader_position(loader)
         self._agree("save", step)
         _group.agree("checkpoint-save", [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
@@ -204,7 +204,7 @@ class Checkpointer:
         """
         _progress.record("checkpoint")
         self._wait()
-        target = pmap.to_global(state)
+        target = pmap.to_global(state, "Checkpointer.restore")
         found = tree.leaves(target, "Checkpointer.restore")
         if loader is not None and not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
@@ -220,7 +220,7 @@ class Checkpointer:
             return state
         if loader is not None:
             loader.load_state_dict(position)
-        return pmap.like(state, tree.rebuild(target, values))
+        return pmap.like(state, tree.rebuild(target, values), "Checkpointer.restore")
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when nothing has been saved."""

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _mesh, _zero
+from jdp.core import _form, _keys, _mesh, _zero
 from jdp.distributed import _group
 
 
@@ -74,19 +74,24 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
         >>> state["w"].sharding.is_fully_replicated, state["w"].shape
         (True, (3,))
     """
-    from jdp import pmap  # the one question about the other form; jdp.pmap imports this module
-    if pmap.is_stacked(tree):
+    if _form.tree_form(tree, "jdp.broadcast") == _form.PMAP:
         raise ValueError("jdp.broadcast: the state is in the pmap form (jdp.replicate): pass "
                          "jdp.pmap.unreplicate(state), or keep the pmap form and use "
                          "jdp.pmap.train_step")
+    tree, keys = _keys.unwrap(tree)   # typed PRNG keys travel as their key data
     host = _group.broadcast(tree, "jdp.broadcast")
+    return _keys.wrap(_placed(host, shard_optimizer, shard_params), keys)
+
+
+def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
+    """`broadcast`'s placement of the host values every process now holds."""
     placed = jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), host)
     if not (shard_optimizer or shard_params):
         return placed
     missing = [f for f in ("opt_state", "params") if not hasattr(host, f)]
     if missing:
         option = "shard_params" if shard_params else "shard_optimizer"
-        raise TypeError(f"jdp.broadcast({option}=True): {type(tree).__name__} has no "
+        raise TypeError(f"jdp.broadcast({option}=True): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
     placed = placed.replace(
         opt_state=jax.tree.map(lambda x: _mesh.place(*_zero.sharded_host(x)), host.opt_state))
@@ -151,6 +156,10 @@ def unshard(state: Any) -> Any:
         >>> full.params["w"].shape, full.opt_state[0].mu["w"].shape
         ((3,), (3,))
     """
+    if _form.tree_form(state, "jdp.unshard") == _form.PMAP:
+        raise ValueError("jdp.unshard: the state is in the pmap form (placed by jdp.pmap), "
+                         "whose leaves are whole already: jdp.pmap.unreplicate(state) gives "
+                         "one copy")
     opt_state = getattr(state, "opt_state", None)
     if opt_state is None or getattr(state, "tx", None) is None:
         return state
