@@ -87,8 +87,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         ...     jdp.spawn(main, args=(100,), nprocs=2, devices_per_process=2)
     """
     _check(fn, nprocs, devices_per_process)
-    if progress_timeout is None and os.environ.get(_env.PROGRESS_TIMEOUT):
-        progress_timeout = float(os.environ[_env.PROGRESS_TIMEOUT])
+    _env.check_settings(os.environ)
+    if progress_timeout is None:
+        progress_timeout = _env.seconds(os.environ, _env.PROGRESS_TIMEOUT)
     limits = _supervisor.Limits(timeout_s=timeout, progress_timeout_s=progress_timeout,
                                 stop_grace_s=stop_grace)
     with tempfile.TemporaryDirectory(prefix="jdp-spawn-") as tmp:
