@@ -9,9 +9,10 @@ JAX's coordinator (whose clients retry until it listens).
 """
 from __future__ import annotations
 
+import functools
 import time
 
-from jdp.launch import _net
+from jdp.launch import _net, _waiting
 
 _HELLO_S = 2.0          # how long a connection may take to say which process it is
 
@@ -21,7 +22,8 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> None:
     TimeoutError naming the processes that did not report within `timeout_s`."""
     joined: dict = {}
     deadline = time.monotonic() + timeout_s
-    with _net.listen(host, port, world + 8) as server:
+    waiting = functools.partial(_gather_message, host, port, world, joined, timeout_s)
+    with _waiting.announced(waiting), _net.listen(host, port, world + 8) as server:
         try:
             while len(joined) < world - 1:
                 left = deadline - time.monotonic()
@@ -48,7 +50,16 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> None:
 
 def report(host: str, port: int, rank: int, timeout_s: float) -> None:
     """Process `rank` > 0: report to process 0 and wait for its "go" (TimeoutError if process
-    0 did not answer within `timeout_s`)."""
+    0 did not answer within `timeout_s`); saying so while it waits."""
+    address = _net.join_host_port(host, port)
+    with _waiting.announced(lambda waited: (
+            f"jdp: process {rank} waits for process 0 at {address} to answer (all processes "
+            f"to report there): {_waiting.seconds(waited)} of at most {timeout_s:g} s "
+            "(JDP_INIT_TIMEOUT)")):
+        _report(host, port, rank, timeout_s)
+
+
+def _report(host: str, port: int, rank: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while (conn := _net.connect(host, port, deadline - time.monotonic())) is not None:
         with conn:
@@ -63,6 +74,15 @@ def report(host: str, port: int, rank: int, timeout_s: float) -> None:
         f"process {rank} could not reach the coordinator at {_net.join_host_port(host, port)} "
         f"within {timeout_s:g} s; check that process 0 runs and that MASTER_ADDR/MASTER_PORT "
         "name its address and port (or raise JDP_INIT_TIMEOUT)")
+
+
+def _gather_message(host: str, port: int, world: int, joined: dict, timeout_s: float,
+                    waited: float) -> str:
+    missing = [r for r in range(1, world) if r not in joined]
+    shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+    return (f"jdp: process 0 waits at {_net.join_host_port(host, port)} for process(es) {shown} "
+            f"of {world} to report: {_waiting.seconds(waited)} of at most {timeout_s:g} s "
+            "(JDP_INIT_TIMEOUT)")
 
 
 def _missing_message(host: str, port: int, world: int, joined: dict, timeout_s: float) -> str:

@@ -56,7 +56,7 @@ def seconds(env, name: str) -> float | None:
     if not (0 < value < float("inf")) or whole and (value < 1 or value != int(value)):
         kind = "a whole number of seconds >= 1" if whole else "a finite number of seconds > 0"
         example = _WHOLE_SECONDS.get(name) or _SECONDS.get(name)
-        raise ValueError(f"{name}={raw!r} is not {kind}; set e.g. {name}={example}, or unset it")
+        raise ValueError(f"{name}={raw!r} must be {kind}; set e.g. {name}={example}, or unset it")
     return value
 
 
