@@ -14,7 +14,7 @@ import numpy as np
 from flax.training import train_state
 
 from jdp.core import _form, _keys, _mesh, _zero
-from jdp.distributed import _group
+from jdp.distributed import _group, _pieces
 
 
 class TrainState(train_state.TrainState):
@@ -106,7 +106,9 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
     `layout="pmap"` is the classic form's alias for `jdp.pmap.shard(rows)`.
 
     Raises:
-        ValueError: a leaf's leading axis is not divisible by the local device count.
+        ValueError: a leaf's leading axis is not divisible by the local device count; or (on
+            every process) the processes' rows differ in count, dtype or shape, which would
+            give each its own idea of the global batch (asked once per new signature).
 
     Example:
         >>> import jdp
@@ -121,7 +123,14 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
     if layout != "global":
         raise ValueError(f"jdp.shard: layout={layout!r}; expected 'global' (default) or 'pmap'")
     _group.require_job("jdp.shard")
-    return _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
+    batch = _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
+    _pieces.agree_once(_SHARD_SIGNATURES, "shard", batch, "jdp.shard",
+                       "every process must pass the same number of rows, of the same dtypes "
+                       "and shapes (rows per process = global batch / processes)")
+    return batch
+
+
+_SHARD_SIGNATURES: set = set()   # batch signatures the processes agreed on (jdp.shard)
 
 
 def divisible_rows(rows: Any, who: str) -> Any:

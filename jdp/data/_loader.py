@@ -32,7 +32,7 @@ from jdp import pmap
 from jdp.core import _mesh
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
-from jdp.distributed import _group
+from jdp.distributed import _group, _pieces
 from jdp.launch import _progress
 
 LAYOUTS = ("global", "pmap")
@@ -118,6 +118,7 @@ class Loader:
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
         self._agreed = False
+        self._signatures: set = set()   # batch signatures the processes agreed on
         self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
 
@@ -181,6 +182,10 @@ class Loader:
                 batch = next(batches, None)
                 if batch is None:
                     break
+                _pieces.agree_once(self._signatures, "loader-batch", batch, "jdp.data.Loader",
+                                   "every process's source and transform must give fields of "
+                                   "the same dtypes and shapes",
+                                   self.timeout or _group.AGREE_TIMEOUT_S)
                 self._inside_epoch()
                 self._step += 1
                 yield batch
