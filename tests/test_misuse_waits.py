@@ -6,8 +6,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import free_port, job_env, run_python, start_launcher, wait_for_text, \
-    write_script
+from conftest import free_port, job_env, run_python, start_launcher, wait_for_text, write_script
 
 from jdp.launch import _waiting
 

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jdp.core import _zero
 from jdp.core import _keys as typed_keys
+from jdp.core import _zero
 
 
 class Leaf(NamedTuple):
