@@ -14,13 +14,19 @@ import jdp
 from jdp.checkpoint import Checkpointer
 
 N = jax.local_device_count()
-ROWS = range(1, 2 * N + 1)
+# Leaves of up to N rows are padded to exactly N under FSDP/ZeRO, the shape of a stacked tree;
+# a tree of those alone is what used to be taken for the pmap form and cut to one row.
+GROUPS = {"1..N": range(1, N + 1), "N+1..2N": range(N + 1, 2 * N + 1)}
 
 
-def values():
-    """One leaf per row count 1..2N, every value distinct (so a copied row shows)."""
+def values(group="1..N"):
+    """One leaf per row count of the group, every value distinct (so a copied row shows)."""
     return {f"r{r:02d}": np.arange(r * 2, dtype=np.float32).reshape(r, 2) + 100 * r
-            for r in ROWS}
+            for r in GROUPS[group]}
+
+
+def zeros(group):
+    return {k: np.zeros_like(v) for k, v in values(group).items()}
 
 
 def fsdp(tree):
@@ -38,56 +44,88 @@ def logical(params):
     return {k: np.asarray(v.value)[:v.rows] for k, v in params.items()}
 
 
-def test_fsdp_params_of_every_size_save_and_restore_every_row(tmp_path):
+@pytest.mark.parametrize("group", GROUPS)
+def test_fsdp_params_of_every_size_save_and_restore_every_row(tmp_path, group):
     # The reported loss: w (2, 1) padded to N rows was taken for the pmap form, device 0's row
     # saved, and restore gave [[2], [2]] for [[2], [3]].
-    params = fsdp(values()).params
+    params = fsdp(values(group)).params
     ckpt = Checkpointer(tmp_path)
     ckpt.save(1, params)
-    restored = ckpt.restore(fsdp({k: np.zeros_like(v) for k, v in values().items()}).params)
+    restored = ckpt.restore(fsdp(zeros(group)).params)
     got = logical(restored)
-    for name, want in values().items():
+    for name, want in values(group).items():
         np.testing.assert_array_equal(got[name], want, err_msg=name)
 
 
-def test_a_whole_fsdp_state_of_every_size_restores_into_a_replicated_one(tmp_path):
+@pytest.mark.parametrize("group", GROUPS)
+def test_a_whole_fsdp_state_of_every_size_restores_into_a_replicated_one(tmp_path, group):
     ckpt = Checkpointer(tmp_path)
-    ckpt.save(1, fsdp(values()))
+    ckpt.save(1, fsdp(values(group)))
     template = jdp.broadcast(jdp.TrainState.create(
-        apply_fn=None, params={k: np.zeros_like(v) for k, v in values().items()},
+        apply_fn=None, params=zeros(group),
         tx=optax.sgd(0.1)))
     got = host(ckpt.restore(template).params)
-    for name, want in values().items():
+    for name, want in values(group).items():
         np.testing.assert_array_equal(got[name], want, err_msg=name)
 
 
+def zero(trace):
+    """A ZeRO state (shard_optimizer) whose momentum is `trace`: its leaves of <= N rows are
+    padded to N rows and split one row per device, the shape of a stacked leaf."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = {k: np.zeros_like(v) for k, v in trace.items()}
+    state = jdp.TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = state.replace(opt_state=(optax.TraceState(trace=trace), optax.EmptyState()))
+    return jdp.broadcast(state, shard_optimizer=True)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("what", ["opt_state", "state"])
+def test_zero_momentum_of_every_size_saves_and_restores_every_row(tmp_path, what, group):
+    saved = zero(values(group))
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, saved.opt_state if what == "opt_state" else saved)
+    template = zero(zeros(group))
+    if what == "opt_state":
+        restored = template.replace(opt_state=ckpt.restore(template.opt_state))
+    else:
+        restored = ckpt.restore(template)
+    got = host(jdp.unshard(restored).opt_state[0].trace)
+    same = jax.tree.leaves(jdp.pmap.unreplicate(saved.opt_state))   # global: as it is
+    assert all(a is b for a, b in zip(same, jax.tree.leaves(saved.opt_state), strict=True))
+    for name, want in values(group).items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+
+
+@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("form", ["global", "stacked"])
-def test_every_size_round_trips_in_both_forms_and_across_them(tmp_path, form):
+def test_every_size_round_trips_in_both_forms_and_across_them(tmp_path, form, group):
     place = jdp.broadcast if form == "global" else jdp.pmap.replicate
     ckpt = Checkpointer(tmp_path)
-    ckpt.save(1, place(values()))
-    zeros = {k: np.zeros_like(v) for k, v in values().items()}
-    back_global = host(ckpt.restore(jdp.broadcast(zeros)))
-    back_stacked = ckpt.restore(jdp.pmap.replicate(zeros))
-    for name, want in values().items():
+    ckpt.save(1, place(values(group)))
+    back_global = host(ckpt.restore(jdp.broadcast(zeros(group))))
+    back_stacked = ckpt.restore(jdp.pmap.replicate(zeros(group)))
+    for name, want in values(group).items():
         np.testing.assert_array_equal(back_global[name], want, err_msg=name)
         assert back_stacked[name].shape == (N, *want.shape), name
         for shard in back_stacked[name].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data)[0], want, err_msg=name)
 
 
-def test_unreplicate_returns_global_trees_of_every_size_unchanged():
-    tree = jdp.broadcast(values())
+@pytest.mark.parametrize("group", GROUPS)
+def test_unreplicate_returns_global_trees_of_every_size_unchanged(group):
+    tree = jdp.broadcast(values(group))
     got = jdp.pmap.unreplicate(tree)
-    for name, want in values().items():
+    for name, want in values(group).items():
         assert got[name] is tree[name], name
         np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
 
 
-def test_unreplicate_leaves_fsdp_parameters_whole():
-    params = fsdp(values()).params
+@pytest.mark.parametrize("group", GROUPS)
+def test_unreplicate_leaves_fsdp_parameters_whole(group):
+    params = fsdp(values(group)).params
     got = logical(jdp.pmap.unreplicate(params))
-    for name, want in values().items():
+    for name, want in values(group).items():
         np.testing.assert_array_equal(got[name], want, err_msg=name)
 
 
@@ -98,9 +136,10 @@ def test_unreplicate_of_a_global_batch_of_n_rows_is_the_batch_not_its_first_row(
     np.testing.assert_array_equal(np.asarray(got["x"]), rows)
 
 
-def test_unreplicate_of_every_stacked_size_is_one_copy():
-    got = jdp.pmap.unreplicate(jdp.pmap.replicate(values()))
-    for name, want in values().items():
+@pytest.mark.parametrize("group", GROUPS)
+def test_unreplicate_of_every_stacked_size_is_one_copy(group):
+    got = jdp.pmap.unreplicate(jdp.pmap.replicate(values(group)))
+    for name, want in values(group).items():
         np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
 
 
