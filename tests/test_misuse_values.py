@@ -25,6 +25,8 @@ def launch_fails(tmp_path, capsys, argv) -> str:
     (["--progress_timeout", "inf"], "--progress_timeout inf: must be a finite"),
     (["--stop_grace", "inf"], "--stop_grace inf: must be a finite"),
     (["--nnodes", "1:2", "--rdzv_timeout", "nan"], "--rdzv_timeout nan: must be"),
+    # a finite but huge wait overflowed the keeper thread's queue timeout the same way
+    (["--nnodes", "1:2", "--rdzv_timeout", "1e300"], "--rdzv_timeout 1e+300: must be a finite"),
 ])
 def test_an_infinite_number_of_seconds_is_refused_at_start(tmp_path, capsys, argv, message):
     port = str(free_port())
@@ -42,8 +44,9 @@ def test_one_port_for_the_rendezvous_and_the_coordinator_is_refused(tmp_path, ca
     ("JDP_INIT_TIMEOUT", "abc", ["whole number of seconds", "JDP_INIT_TIMEOUT=60"]),
     ("JDP_HEARTBEAT_TIMEOUT", "0.5", ["whole number of seconds"]),
     ("JDP_SHUTDOWN_TIMEOUT", "inf", ["whole number of seconds"]),
-    ("JDP_PROGRESS_TIMEOUT", "inf", ["finite number of seconds > 0"]),
+    ("JDP_PROGRESS_TIMEOUT", "inf", ["number of seconds > 0 and <= 604800"]),
     ("JDP_STOP_GRACE", "nan", ["seconds > 0"]),
+    ("JDP_INIT_TIMEOUT", "1e12", ["whole number of seconds >= 1 and <= 604800"]),
     ("JDP_MALLOC_TUNING", "maybe", ["is not one of", "JDP_MALLOC_TUNING=0"]),
 ])
 def test_a_bad_jdp_variable_stops_the_launcher_naming_it_and_its_value(tmp_path, capsys,

@@ -204,9 +204,9 @@ def _values_problem(args: argparse.Namespace) -> str | None:
         return str(e)
     for name in ("rdzv_timeout", "progress_timeout", "stop_grace"):
         value = getattr(args, name)
-        if value is not None and not math.isfinite(value):
-            return (f"--{name} {value:g}: must be a finite number of seconds (every wait "
-                    "has an end); e.g. 30")
+        if value is not None and not (math.isfinite(value) and value <= _env.MAX_SECONDS):
+            return (f"--{name} {value:g}: must be a finite number of seconds <= "
+                    f"{_env.MAX_SECONDS:g} (a week; every wait has an end); e.g. 30")
     if args.nnodes > 1 and args.rdzv_port == args.master_port:
         return (f"--rdzv_port {args.rdzv_port} is also --master_port: node 0's launcher and "
                 "process 0's coordinator each need their own port; leave --rdzv_port out "

@@ -39,6 +39,8 @@ INTERNAL_VARS = (SUPERVISOR_PID, ERROR_FILE, SPAWN_BOOTSTRAP, PROGRESS_FILE, STA
 # --- the user's settings, parsed at start (a bad one is a one-line error, never ignored) ---
 _WHOLE_SECONDS = {INIT_TIMEOUT: 60, HEARTBEAT_TIMEOUT: 30, SHUTDOWN_TIMEOUT: 300}
 _SECONDS = {PROGRESS_TIMEOUT: 600, STOP_GRACE: 30}
+MAX_SECONDS = 7 * 24 * 3600.0   # a week: beyond it a wait is a mistake (and past ~292 years,
+                                # threading's TIMEOUT_MAX, an OverflowError in a waiting thread)
 _SWITCHES = {"JDP_MALLOC_TUNING": ("0", "1", "off", "on", "false", "true", "no", "yes")}
 
 
@@ -53,8 +55,9 @@ def seconds(env, name: str) -> float | None:
     except ValueError:
         value = float("nan")
     whole = name in _WHOLE_SECONDS
-    if not (0 < value < float("inf")) or whole and (value < 1 or value != int(value)):
-        kind = "a whole number of seconds >= 1" if whole else "a finite number of seconds > 0"
+    if not (0 < value <= MAX_SECONDS) or whole and (value < 1 or value != int(value)):
+        kind = ("a whole number of seconds >= 1" if whole else "a number of seconds > 0") + \
+            f" and <= {MAX_SECONDS:g} (a week)"
         example = _WHOLE_SECONDS.get(name) or _SECONDS.get(name)
         raise ValueError(f"{name}={raw!r} must be {kind}; set e.g. {name}={example}, or unset it")
     return value
