@@ -110,3 +110,10 @@ def test_leaves_of_every_placeable_dtype_survive_broadcast_and_a_checkpoint(tmp_
 def test_a_leaf_jdp_cannot_place_is_named_with_the_fix():
     one_line_error(TypeError, ["['name']", "str", "keep it out of the tree"],
                    jdp.broadcast, {"w": np.ones(2), "name": np.array(["relu"], dtype=object)})
+
+
+def test_broadcast_from_primary_names_a_typed_key_and_the_two_fixes():
+    one_line_error(TypeError, ["['rngs']['key']", "typed PRNG key", "jax.random.key_data",
+                               "jdp.broadcast"],
+                   jdp.broadcast_from_primary,
+                   {"rngs": {"key": jax.random.key(0)}, "w": np.ones(2)})
