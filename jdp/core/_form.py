@@ -8,7 +8,9 @@ leaf. A leaf split one row per local device on a mesh of someone else's (a hand-
 `jax.pmap`'s output, or a global array on your own mesh) could be either: the calls that would
 lose or misplace values on a wrong guess (Checkpointer, `jdp.broadcast`, `jdp.unshard`) refuse
 it; `jdp.pmap.unreplicate` and the pmap step, whose caller says the tree is stacked, take it so.
-Every caller asks `leaf_form` / `tree_form`, and nothing else in jdp asks.
+Every caller asks `leaf_form` / `tree_form`, and nothing else in jdp asks. (On one process a
+hand-written `jax.pmap(..., axis_name=jdp.AXIS)` returns arrays exactly like jdp's global
+ones, mesh included: they count as global. `jdp.pmap.train_step` marks its outputs.)
 """
 from __future__ import annotations
 
