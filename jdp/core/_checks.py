@@ -91,10 +91,10 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
         raise ValueError(f"state {type(state).__name__} has no array leaves: pass the train "
                          "state, placed with jdp.broadcast(state)")
     if _form.tree_form(state, "jdp.train_step") == _form.PMAP:
-        raise ValueError(f"state leaf {name(leaves[0][0])} is not replicated on jdp.mesh(): the "
-                         "state is in the pmap form (placed by jdp.pmap); place it with "
-                         "jdp.broadcast(state) (after jdp.pmap.unreplicate), or keep the form "
-                         "and use jdp.pmap.train_step")
+        raise ValueError(f"state leaf {name(leaves[0][0])} is not replicated on jdp.mesh(): place "
+                         "the state with jdp.broadcast(state) (it is in the pmap form, placed "
+                         "by jdp.pmap: jdp.pmap.unreplicate it first), or keep the form and "
+                         "use jdp.pmap.train_step")
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not (isinstance(x, jax.Array) and x.sharding.device_set == _mesh_devices()):
             raise ValueError(
