@@ -6,7 +6,9 @@ copy). The step maps the same per-device function as the global core (`jdp.train
 the same options except ZeRO, so both train identically. This module is the one place in jdp
 that knows the stacked layout; it registers it with `jdp.core.layouts` when imported, and so
 layout-blind code (`jdp.shard(rows, layout="pmap")`, the Loader, the Checkpointer) finds
-`place_rows`, `to_global` and `like` there without importing this module.
+`place_rows`, `to_global` and `like` there without importing this module. Every array it
+makes, its steps' outputs included, is placed with `local_sharding()`, whose axis name marks
+the form (`jdp.core.forms`): a shape never does.
 
 Example:
     >>> import jdp, optax
@@ -33,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.core import (
     AXIS,
+    forms,
     batch_leaves,
     bool_options,
     device_eval_step,
@@ -43,17 +46,14 @@ from jdp.core import (
     make_step,
     one_size,
     place,
+    prng_keys,
     replicated,
     stop_values,
     train_options,
     trainable,
 )
-from jdp.core import mesh as global_mesh
+from jdp.core.forms import LOCAL_AXIS
 from jdp.distributed import broadcast_for
-
-LOCAL_AXIS = "local_devices"
-"""Axis name of the stacked placement: on one process a stacked `[8, b]` array and a global
-batch of 8 rows have the same devices and shape, and only this name tells them apart."""
 
 
 def local_sharding(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
@@ -74,42 +74,44 @@ def replicate(tree: Any) -> Any:
         >>> jdp.pmap.replicate({"w": np.ones(3)})["w"].shape == (jax.local_device_count(), 3)
         True
     """
-    if is_stacked(tree):
+    if is_stacked(tree, "jdp.pmap.replicate"):
         raise ValueError("jdp.pmap.replicate: the tree is already in the pmap form (every leaf one "
                          "copy per local device): pass it to the step as it is, or "
                          "jdp.pmap.unreplicate(tree) first")
     sharding = local_sharding()
     n = len(sharding.device_set)
+    tree, keys = prng_keys.unwrap(tree)   # typed PRNG keys travel as their key data
     host = broadcast_for(tree, "jdp.pmap.replicate")
-    return jax.tree.map(
-        lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))), sharding), host)
+    return prng_keys.wrap(jax.tree.map(
+        lambda x: jax.device_put(np.broadcast_to(x, (n, *np.shape(x))), sharding), host), keys)
 
 
 def unreplicate(tree: Any) -> Any:
-    """Device 0's copy of a stacked tree (a state, or a step's metrics); leaves that are not
-    stacked (global arrays) come back unchanged, so code for both forms can call it.
+    """Device 0's copy of a stacked tree (a state, or a step's metrics); global arrays (on
+    `jdp.mesh()`, whatever their shape) come back unchanged, so code for both forms can call it.
+
+    The form is known from where jdp.pmap placed an array, never from its shape; an array split
+    one row per local device on a mesh that is not jdp's (your own `jax.pmap`'s output) is
+    taken as stacked, since this call says it is.
 
     Raises:
-        ValueError: a leaf whose leading axis is not the local device count.
+        ValueError: a host (numpy) leaf or a number: its form cannot be told.
 
     Example:
         >>> import jdp
         >>> jdp.pmap.unreplicate(jdp.pmap.replicate({"w": np.ones(3)}))["w"].shape
         (3,)
     """
-    n = jax.local_device_count()
-
     def first(path, x):
-        if isinstance(x, jax.Array) and not _stacked_leaf(x):
-            return x
-        if np.ndim(x) == 0 or np.shape(x)[0] != n:
+        if not isinstance(x, jax.Array):
             raise ValueError(
-                f"jdp.unreplicate: leaf {leaf_name(path)} has shape {np.shape(x)}, not a "
-                f"leading axis of {n} local devices: it is not replicated. Pass what "
-                "jdp.pmap.replicate or a pmap step returned, or use the value as is")
-        if isinstance(x, jax.Array):
-            return x.addressable_data(0)[0]
-        return x[0]
+                f"jdp.unreplicate: leaf {leaf_name(path)} has shape {np.shape(x)} on the "
+                "host: it is not replicated (a host array's form cannot be told from its "
+                "shape). Pass what jdp.pmap.replicate or a pmap step returned, before "
+                "jax.device_get, or use the value as is")
+        if forms.leaf_form(x) == forms.GLOBAL:
+            return x
+        return x.addressable_data(0)[0]
 
     return jax.tree_util.tree_map_with_path(first, tree)
 
@@ -151,7 +153,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     body = functools.partial(
         device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
-    transform = functools.partial(jax.pmap, axis_name=AXIS,
+    transform = functools.partial(_marked_pmap, axis_name=AXIS,
                                   donate_argnums=(0,) if donate else ())
     check = functools.partial(_check, accum_steps=accum_steps, train=True)
     return make_step(body, check, transform, _place_stop, max_in_flight=max_in_flight,
@@ -163,8 +165,35 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
     train_options("mean", 1, "mean", max_in_flight)
     body = functools.partial(device_eval_step, metric_fn=metric_fn)
     return make_step(body, functools.partial(_check, accum_steps=1),
-                               functools.partial(jax.pmap, axis_name=AXIS), _place_stop,
+                               functools.partial(_marked_pmap, axis_name=AXIS), _place_stop,
                                max_in_flight=max_in_flight, train=False)
+
+
+def _marked_pmap(fn: Callable, **options: Any) -> Callable:
+    """`jax.pmap(fn, **options)` whose outputs carry the pmap form's mark (`local_sharding()`):
+    jax.pmap gives them the sharding of a global batch on jdp's own axis name. The buffers
+    are rewrapped, not copied."""
+    pmapped = jax.pmap(fn, **options)
+
+    def call(*args):
+        out, done = pmapped(*args)
+        return mark(out), done
+
+    call.lower = pmapped.lower
+    return call
+
+
+def mark(tree: Any) -> Any:
+    """`tree`'s stacked arrays (one row per local device) under `local_sharding()`, zero-copy."""
+    sharding = local_sharding()
+
+    def rewrap(x):
+        if not isinstance(x, jax.Array) or x.sharding == sharding:
+            return x
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [s.data for s in x.addressable_shards])
+
+    return jax.tree.map(rewrap, tree)
 
 
 def _place_stop(flag: bool) -> jax.Array:
@@ -177,8 +206,7 @@ def _check(state: Any, batch: Any, *, accum_steps: int, train: bool = False) -> 
         trainable(getattr(state, "params", None))
     n = jax.local_device_count()
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not isinstance(x, jax.Array) or not x.ndim or x.shape[0] != n or (
-                n > 1 and len(x.sharding.device_set) == 1):
+        if forms.leaf_form(x) == forms.GLOBAL:
             raise ValueError(
                 f"state leaf {leaf_name(path)} is {_where(x)}: jdp.pmap steps take one copy "
                 f"per local device (leading axis {n}); pass the state through "
@@ -205,39 +233,30 @@ def _check_batch(batch: Any, n: int, accum_steps: int) -> None:
 def _where(x: Any) -> str:
     if isinstance(x, jax.Array) and x.ndim and len(x.sharding.device_set) == 1:
         return "on one device"
+    if isinstance(x, jax.Array) and x.ndim:
+        return f"a global array of shape {x.shape} (not placed by jdp.pmap)"
     return f"of shape {jnp.shape(x)}"
 
 
-def _stacked_leaf(x: jax.Array) -> bool:
-    """Placed by this module (`LOCAL_AXIS`), or returned by a pmap (jdp's or one written by
-    hand): the local devices, one row each, split along the leading axis."""
-    spec = getattr(x.sharding, "spec", None)
-    if not x.ndim or not spec or spec[0] is None:
-        return False
-    n = jax.local_device_count()
-    return spec[0] == LOCAL_AXIS or (x.shape[0] == n and x.sharding.mesh.size == n and (
-        jax.process_count() == 1 or x.sharding.mesh != global_mesh()))
+def is_stacked(tree: Any, who: str = "jdp.pmap") -> bool:
+    """Whether `tree` is in the pmap form (placed by jdp.pmap: `jdp.core.forms`); a tree that
+    could be either form, or mixes both, is a ValueError naming the leaf."""
+    return forms.tree_form(tree, who) == forms.PMAP
 
 
-def is_stacked(tree: Any) -> bool:
-    """Whether `tree` is in the pmap form: every array leaf one copy per local device (a
-    global state's step counter is a scalar; row-sharded FSDP parameters alone do not count)."""
-    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    return bool(leaves) and all(_stacked_leaf(x) for x in leaves)
-
-
-def to_global(tree: Any) -> Any:
+def to_global(tree: Any, who: str = "jdp.pmap.to_global") -> Any:
     """One copy of a stacked tree as global arrays replicated on `jdp.mesh()`; any other tree
     unchanged."""
-    if not is_stacked(tree):
+    if not is_stacked(tree, who):
         return tree
-    one = jax.device_get(unreplicate(tree))
-    return jax.tree.map(lambda x: place(x, replicated()), one)
+    one, keys = prng_keys.unwrap(unreplicate(tree))
+    one = jax.device_get(one)
+    return prng_keys.wrap(jax.tree.map(lambda x: place(x, replicated()), one), keys)
 
 
-def like(template: Any, tree: Any) -> Any:
+def like(template: Any, tree: Any, who: str = "jdp.pmap.like") -> Any:
     """`tree` in `template`'s form: stacked if the template is, else unchanged."""
-    return replicate(jax.device_get(tree)) if is_stacked(template) else tree
+    return replicate(tree) if is_stacked(template, who) else tree
 
 
 layouts.register(layouts.Layout(

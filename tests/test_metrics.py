@@ -54,7 +54,7 @@ def test_without_tensorboard_only_json_lines_are_written(tmp_path):
     with jdp.metrics.Writer(tmp_path, primary=True, tensorboard=False, mlflow=False) as w:
         w.scalars(3, {"loss": float("nan")})
     assert os.listdir(tmp_path) == ["metrics.jsonl"]
-    assert math.isnan(json_lines(tmp_path / "metrics.jsonl")[0]["loss"])
+    assert math.isnan(float(json_lines(tmp_path / "metrics.jsonl")[0]["loss"]))  # "NaN"
 
 
 @pytest.mark.parametrize("step, values, words", [

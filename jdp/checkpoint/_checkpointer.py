@@ -132,7 +132,7 @@ class Checkpointer:
         self._wait()
         step = _as_step(step)
         not_donated(state)
-        found = tree.leaves(layouts.to_global(state), "Checkpointer.save")
+        found = tree.leaves(layouts.to_global(state, "Checkpointer.save"), "Checkpointer.save")
         position = _loader_position(loader)
         self._agree("save", step)
         agree("checkpoint-save", [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
@@ -203,7 +203,7 @@ class Checkpointer:
         """
         _progress.record("checkpoint")
         self._wait()
-        target = layouts.to_global(state)
+        target = layouts.to_global(state, "Checkpointer.restore")
         found = tree.leaves(target, "Checkpointer.restore")
         if loader is not None and not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
@@ -219,7 +219,7 @@ class Checkpointer:
             return state
         if loader is not None:
             loader.load_state_dict(position)
-        return layouts.like(state, tree.rebuild(target, values))
+        return layouts.like(state, tree.rebuild(target, values), "Checkpointer.restore")
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when nothing has been saved."""

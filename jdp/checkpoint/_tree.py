@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jdp.core import is_sharded, logical_opt_state
+from jdp.core import prng_keys as typed_keys
 
 
 class Leaf(NamedTuple):
@@ -50,6 +51,8 @@ def leaves(state: Any, where: str) -> list[Leaf]:
 
 
 def _array(x: Any, path: Any, where: str) -> jax.Array | np.ndarray:
+    if typed_keys.is_key(x):   # a typed PRNG key (NNX's rngs) is saved as its key data
+        return jax.random.key_data(x)
     if isinstance(x, (jax.Array, np.ndarray)):
         return x
     if isinstance(x, (numbers.Number, np.generic)) and np.asarray(x).dtype.kind in "biufc":
@@ -110,6 +113,8 @@ def rebuild(state: Any, values: list) -> Any:
 
 
 def _like(template: Any, value: Any) -> Any:
+    if typed_keys.is_key(template):
+        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(template))
     if isinstance(template, (jax.Array, np.ndarray)):
         return value
     if isinstance(template, np.generic):

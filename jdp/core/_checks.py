@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.core import _mesh, _zero
+from jdp.core import _mesh, _zero, forms
 
 MAX_IN_FLIGHT = 16
 
@@ -90,6 +90,11 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
     if not leaves:
         raise ValueError(f"state {type(state).__name__} has no array leaves: pass the train "
                          "state, placed with jdp.broadcast(state)")
+    if forms.tree_form(state, "jdp.train_step") == forms.PMAP:
+        raise ValueError(f"state leaf {name(leaves[0][0])} is not replicated on jdp.mesh(): place "
+                         "the state with jdp.broadcast(state) (it is in the pmap form, placed "
+                         "by jdp.pmap: jdp.pmap.unreplicate it first), or keep the form and "
+                         "use jdp.pmap.train_step")
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not (isinstance(x, jax.Array) and x.sharding.device_set == _mesh_devices()):
             raise ValueError(

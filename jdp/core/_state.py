@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _mesh, _zero, layouts
-from jdp.distributed import broadcast_for, require_job
+from jdp.core import _mesh, _zero, forms, layouts, prng_keys
+from jdp.distributed import agree_once, broadcast_for, require_job
 
 
 class TrainState(train_state.TrainState):
@@ -74,19 +74,25 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
         >>> state["w"].sharding.is_fully_replicated, state["w"].shape
         (True, (3,))
     """
-    other = layouts.of(tree)
+    other = layouts.of(tree, "jdp.broadcast")
     if other is not None:
         raise ValueError(f"jdp.broadcast: the state is in the {other.name} form "
                          f"({other.made_by}): pass {other.undone_by}(state), or keep the "
                          f"{other.name} form and use {other.step}")
+    tree, keys = prng_keys.unwrap(tree)   # typed PRNG keys travel as their key data
     host = broadcast_for(tree, "jdp.broadcast")
+    return prng_keys.wrap(_placed(host, shard_optimizer, shard_params), keys)
+
+
+def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
+    """`broadcast`'s placement of the host values every process now holds."""
     placed = jax.tree.map(lambda x: _mesh.place(x, _mesh.replicated()), host)
     if not (shard_optimizer or shard_params):
         return placed
     missing = [f for f in ("opt_state", "params") if not hasattr(host, f)]
     if missing:
         option = "shard_params" if shard_params else "shard_optimizer"
-        raise TypeError(f"jdp.broadcast({option}=True): {type(tree).__name__} has no "
+        raise TypeError(f"jdp.broadcast({option}=True): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
     placed = placed.replace(
         opt_state=jax.tree.map(lambda x: _mesh.place(*_zero.sharded_host(x)), host.opt_state))
@@ -101,7 +107,9 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
     `layout="pmap"` is the classic form's alias for `jdp.pmap.shard(rows)`.
 
     Raises:
-        ValueError: a leaf's leading axis is not divisible by the local device count.
+        ValueError: a leaf's leading axis is not divisible by the local device count; or (on
+            every process) the processes' rows differ in count, dtype or shape, which would
+            give each its own idea of the global batch (asked once per new signature).
 
     Example:
         >>> import jdp
@@ -113,7 +121,14 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
     if layout != layouts.GLOBAL:
         return _adapter(layout).shard(rows)
     require_job("jdp.shard")
-    return _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
+    batch = _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
+    agree_once(_SHARD_SIGNATURES, "shard", batch, "jdp.shard",
+               "every process must pass the same number of rows, of the same dtypes "
+               "and shapes (rows per process = global batch / processes)")
+    return batch
+
+
+_SHARD_SIGNATURES: set = set()   # batch signatures the processes agreed on (jdp.shard)
 
 
 def _adapter(layout: Any) -> layouts.Layout:
@@ -157,6 +172,10 @@ def unshard(state: Any) -> Any:
         >>> full.params["w"].shape, full.opt_state[0].mu["w"].shape
         ((3,), (3,))
     """
+    if forms.tree_form(state, "jdp.unshard") == forms.PMAP:
+        raise ValueError("jdp.unshard: the state is in the pmap form (placed by jdp.pmap), "
+                         "whose leaves are whole already: jdp.pmap.unreplicate(state) gives "
+                         "one copy")
     opt_state = getattr(state, "opt_state", None)
     if opt_state is None or getattr(state, "tx", None) is None:
         return state

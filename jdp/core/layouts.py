@@ -19,11 +19,11 @@ GLOBAL = "global"
 class Layout(NamedTuple):
     """What an adapter tells the core about its layout."""
     name: str                              # the `layout=` value that selects it
-    holds: Callable[[Any], bool]           # whether a tree is in this layout
+    holds: Callable[[Any, str], bool]      # (tree, who): whether a tree is in this layout
     shard: Callable[[Any], Any]            # a process's rows into this layout, checked
     place_rows: Callable[..., Any]         # (rows, devices=None): the same, unchecked (Loader)
-    to_global: Callable[[Any], Any]        # one copy as global arrays replicated on jdp.mesh()
-    like: Callable[[Any, Any], Any]        # (template, tree): `tree` in the template's layout
+    to_global: Callable[[Any, str], Any]   # (tree, who): one copy, global, replicated
+    like: Callable[[Any, Any, str], Any]   # (template, tree, who): `tree` in template's layout
     made_by: str                           # the calls that make and undo it, and its step,
     undone_by: str                         # for messages: "jdp.replicate",
     step: str                              # "jdp.pmap.unreplicate", "jdp.pmap.train_step"
@@ -54,18 +54,19 @@ def named(name: str) -> Layout | None:
     raise ValueError(f"layout={name!r}; expected one of {names()} ('global' is the default)")
 
 
-def of(tree: Any) -> Layout | None:
-    """The adapter layout `tree` is in, or None (global arrays, host arrays, anything else)."""
-    return next((layout for layout in _LAYOUTS.values() if layout.holds(tree)), None)
+def of(tree: Any, who: str = "jdp") -> Layout | None:
+    """The adapter layout `tree` is in, or None (global arrays, host arrays, anything else);
+    an adapter may refuse a tree whose layout it cannot tell (ValueError naming `who`)."""
+    return next((layout for layout in _LAYOUTS.values() if layout.holds(tree, who)), None)
 
 
-def to_global(tree: Any) -> Any:
+def to_global(tree: Any, who: str = "jdp") -> Any:
     """`tree` as one copy of global arrays if an adapter's layout holds it; else unchanged."""
-    layout = of(tree)
-    return tree if layout is None else layout.to_global(tree)
+    layout = of(tree, who)
+    return tree if layout is None else layout.to_global(tree, who)
 
 
-def like(template: Any, tree: Any) -> Any:
+def like(template: Any, tree: Any, who: str = "jdp") -> Any:
     """`tree` (global, or host values) in the layout `template` is in."""
-    layout = of(template)
-    return tree if layout is None else layout.like(template, tree)
+    layout = of(template, who)
+    return tree if layout is None else layout.like(template, tree, who)

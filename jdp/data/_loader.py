@@ -31,7 +31,7 @@ import numpy as np
 from jdp.core import batch_sharded, layouts
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
-from jdp.distributed import AGREE_TIMEOUT_S, agree, require_job
+from jdp.distributed import AGREE_TIMEOUT_S, agree, agree_once, require_job
 from jdp.job import progress as _progress
 
 
@@ -115,6 +115,7 @@ class Loader:
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
         self._agreed = False
+        self._signatures: set = set()   # batch signatures the processes agreed on
         self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
 
@@ -178,6 +179,10 @@ class Loader:
                 batch = next(batches, None)
                 if batch is None:
                     break
+                agree_once(self._signatures, "loader-batch", batch, "jdp.data.Loader",
+                                   "every process's source and transform must give fields of "
+                                   "the same dtypes and shapes",
+                                   self.timeout or _group.AGREE_TIMEOUT_S)
                 self._inside_epoch()
                 self._step += 1
                 yield batch

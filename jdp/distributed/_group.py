@@ -89,6 +89,13 @@ def broadcast(tree: Any, who: str) -> Any:
     """
     require_job(who)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    for path, x in flat:   # NumPy has no typed keys; jdp.broadcast and replicate unwrap them
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise TypeError(f"{who}: leaf {jax.tree_util.keystr(path)} is a typed PRNG key "
+                            f"({x.dtype}), which has no NumPy form: pass "
+                            "jax.random.key_data(key) and wrap_key_data it back, or use "
+                            "jdp.broadcast, which places keys as keys")
     host = [np.asarray(x) for _, x in flat]
     for (path, _), x in zip(flat, host, strict=True):
         if x.dtype.kind == "O":

@@ -118,6 +118,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         1
     """
     env = os.environ
+    _env.check_settings(env)  # a bad JDP_* value is an error here, even on one process
     _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp.job.malloc
     timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
                 zip(_TIMEOUT_ENV, (initialization_timeout, heartbeat_timeout, shutdown_timeout),

@@ -15,9 +15,11 @@ there, one on every other process, and no traffic after the roll call but a good
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from jdp.job import net as _net
+from jdp.job import waiting as _waiting
 
 try:
     import resource
@@ -59,7 +61,8 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> dict:
     kept = False
     deadline = time.monotonic() + timeout_s
     _room_for(world)
-    with _net.listen(host, port, world + 8) as server:
+    waiting = functools.partial(_gather_message, host, port, world, joined, timeout_s)
+    with _waiting.announced(waiting), _net.listen(host, port, world + 8) as server:
         try:
             while len(joined) < world - 1:
                 left = deadline - time.monotonic()
@@ -93,6 +96,15 @@ def report(host: str, port: int, rank: int, world: int, timeout_s: float):
     """Process `rank` > 0: report to process 0 and wait for its "go"; the connection, kept
     open. TimeoutError if process 0 did not answer within `timeout_s`, ValueError when it
     refused this process (another process count)."""
+    address = _net.join_host_port(host, port)
+    with _waiting.announced(lambda waited: (
+            f"jdp: process {rank} waits for process 0 at {address} to answer (all processes "
+            f"to report there): {_waiting.seconds(waited)} of at most {round(timeout_s)} s "
+            "(JDP_INIT_TIMEOUT)")):
+        return _report(host, port, rank, world, timeout_s)
+
+
+def _report(host: str, port: int, rank: int, world: int, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while (conn := _net.connect(host, port, deadline - time.monotonic())) is not None:
         try:
@@ -127,6 +139,15 @@ def _refuse(conn, joined: dict, message: str):
             pass
     conn.close()
     raise ValueError(message)
+
+
+def _gather_message(host: str, port: int, world: int, joined: dict, timeout_s: float,
+                    waited: float) -> str:
+    missing = [r for r in range(1, world) if r not in joined]
+    shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+    return (f"jdp: process 0 waits at {_net.join_host_port(host, port)} for process(es) {shown} "
+            f"of {world} to report: {_waiting.seconds(waited)} of at most {round(timeout_s)} s "
+            "(JDP_INIT_TIMEOUT)")
 
 
 def _missing_message(host: str, port: int, world: int, joined: dict, timeout_s: float) -> str:

@@ -34,3 +34,41 @@ COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 # Between a supervisor and its ranks (internal).
 PROGRESS_FILE = "JDP_PROGRESS_FILE"       # the rank's progress slot (_progress.py)
 INTERNAL_VARS = (SUPERVISOR_PID, ERROR_FILE, SPAWN_BOOTSTRAP, PROGRESS_FILE, STACK_FILE)
+
+
+# --- the user's settings, parsed at start (a bad one is a one-line error, never ignored) ---
+_WHOLE_SECONDS = {INIT_TIMEOUT: 60, HEARTBEAT_TIMEOUT: 30, SHUTDOWN_TIMEOUT: 300}
+_SECONDS = {PROGRESS_TIMEOUT: 600, STOP_GRACE: 30}
+MAX_SECONDS = 7 * 24 * 3600.0   # a week: beyond it a wait is a mistake (and past ~292 years,
+                                # threading's TIMEOUT_MAX, an OverflowError in a waiting thread)
+_SWITCHES = {"JDP_MALLOC_TUNING": ("0", "1", "off", "on", "false", "true", "no", "yes")}
+
+
+def seconds(env, name: str) -> float | None:
+    """`name`'s value as a finite number of seconds > 0 (None when unset or empty); a
+    ValueError naming the variable, its value and an example otherwise."""
+    raw = env.get(name, "")
+    if not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    whole = name in _WHOLE_SECONDS
+    if not (0 < value <= MAX_SECONDS) or whole and (value < 1 or value != int(value)):
+        kind = ("a whole number of seconds >= 1" if whole else "a number of seconds > 0") + \
+            f" and <= {MAX_SECONDS:g} (a week)"
+        example = _WHOLE_SECONDS.get(name) or _SECONDS.get(name)
+        raise ValueError(f"{name}={raw!r} must be {kind}; set e.g. {name}={example}, or unset it")
+    return value
+
+
+def check_settings(env) -> None:
+    """Parse every JDP_* setting a user may give (timeouts, the stop grace, switches), so a bad
+    value stops the job at start instead of turning a feature silently off."""
+    for name in (*_WHOLE_SECONDS, *_SECONDS):
+        seconds(env, name)
+    for name, allowed in _SWITCHES.items():
+        if env.get(name, "1").strip().lower() not in allowed:
+            raise ValueError(f"{name}={env[name]!r} is not one of {', '.join(allowed)}; "
+                             f"set {name}={allowed[0]} to turn it off, or unset it")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import sys
@@ -160,7 +161,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line; bad values exit with status 2 before anything starts."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if problem := _problem(args):
+    if problem := _problem(args) or _values_problem(args):
         parser.error(problem)
     return args
 
@@ -203,6 +204,25 @@ def _problem(args: argparse.Namespace) -> str | None:
     if args.rdzv_port is not None and not 0 < args.rdzv_port < 65536:
         return f"--rdzv_port {args.rdzv_port}: must be in 1..65535"
     return _script_problem(args) or _port_problem(args)
+
+
+def _values_problem(args: argparse.Namespace) -> str | None:
+    """Values that parse but cannot work: a JDP_* setting in the environment the ranks inherit,
+    an infinite number of seconds (a wait that never ends), one port for two listeners."""
+    try:
+        _env.check_settings(os.environ)
+    except ValueError as e:
+        return str(e)
+    for name in ("rdzv_timeout", "progress_timeout", "stop_grace"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value <= _env.MAX_SECONDS):
+            return (f"--{name} {value:g}: must be a finite number of seconds <= "
+                    f"{_env.MAX_SECONDS:g} (a week; every wait has an end); e.g. 30")
+    if args.nnodes > 1 and args.rdzv_port == args.master_port:
+        return (f"--rdzv_port {args.rdzv_port} is also --master_port: node 0's launcher and "
+                "process 0's coordinator each need their own port; leave --rdzv_port out "
+                "(MASTER_PORT+1) or pick another")
+    return None
 
 
 def _nodes_problem(args: argparse.Namespace) -> str | None:

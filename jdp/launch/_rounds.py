@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from jdp.job import net as _net
+from jdp.job import waiting as _waiting
 from jdp.job.outcome import Job, Outcome, State, exit_status, report, round_line
 
 BACKOFF_S = 1.0
@@ -96,7 +97,7 @@ def run(job: Job, max_restarts: int, rdzv: tuple | None,
     nodes = (job.nnodes if min_nodes is None else min_nodes, job.nnodes)
     keeper = Keeper(nodes, max_restarts, rdzv, rdzv_timeout_s) if job.node == 0 else None
     try:
-        conn = keeper.connect_local() if keeper else _net.connect(*rdzv, JOIN_TIMEOUT_S)
+        conn = keeper.connect_local() if keeper else _connect(job, rdzv)
         if conn is None:
             _say(f"{job.who}: node {job.node} could not reach node 0's launcher at "
                  f"{_net.join_host_port(*rdzv)} within {JOIN_TIMEOUT_S:g} s; start node 0 with "
@@ -112,12 +113,30 @@ def run(job: Job, max_restarts: int, rdzv: tuple | None,
                 ledger.nodes = dict(keeper.goodput)
 
 
+def _connect(job: Job, rdzv: tuple) -> socket.socket | None:
+    """A node's connection to node 0's keeper (None after JOIN_TIMEOUT_S), saying it waits."""
+    address = _net.join_host_port(*rdzv)
+    with _waiting.announced(lambda waited: (
+            f"{job.who}: node {job.node} waits for node 0's launcher at {address}: "
+            f"{_waiting.seconds(waited)} of at most {JOIN_TIMEOUT_S:g} s")):
+        return _net.connect(*rdzv, JOIN_TIMEOUT_S)
+
+
+def _next(link: Link, job: Job) -> dict:
+    """The keeper's next message; a node waiting for a round to start says so."""
+    with _waiting.announced(lambda waited: (
+            f"{job.who}: node {job.node} is connected to node 0's launcher and waits for the "
+            f"next round to start ({_waiting.seconds(waited)}; node 0 waits for the other "
+            f"nodes, at most {JOIN_TIMEOUT_S:g} s)")):
+        return link.next()
+
+
 def _follow(link: Link, job: Job, run_round: Callable, ledger=None) -> int:
     """Run each round the keeper starts; print its reports; return its exit status."""
     own_signal = None
     try:
         while True:
-            message = link.next()
+            message = _next(link, job) if job.node else link.next()
             for text in (message.get("report"), message.get("round")):
                 if text:
                     _say(text)
@@ -149,6 +168,7 @@ class Keeper:
                  rdzv_timeout_s: float = RDZV_TIMEOUT_S):
         (self.min_nodes, self.max_nodes), self.max_restarts = nodes, max_restarts
         self.rdzv_timeout_s = rdzv_timeout_s
+        self.address = address
         self.events: queue.Queue = queue.Queue()   # (connection, message or None at its end)
         self.nodes: dict = {}                      # --node_rank -> Member, connected now
         self.goodput: dict = {}                    # --node_rank k > 0 -> its last summary
@@ -204,7 +224,24 @@ class Keeper:
 
     def _await_nodes(self) -> dict:
         """The next round's nodes (--node_rank -> Member, in order): all MAX of them, or (elastic)
-        at least MIN once --rdzv_timeout has passed; TimeoutError with fewer than MIN for long."""
+        at least MIN once --rdzv_timeout has passed; TimeoutError with fewer than MIN for long.
+        While it waits, node 0 says for which nodes."""
+        with _waiting.announced(self._waiting_for):
+            return self._nodes_of_next_round()
+
+    def _waiting_for(self, waited: float) -> str | None:
+        missing = sorted(set(range(self.max_nodes)) - set(list(self.nodes)))
+        if not missing or self.address is None:
+            return None
+        elastic = "" if self.min_nodes == self.max_nodes else (
+            f"; --nnodes {self.min_nodes}:{self.max_nodes}: a round starts with all of them, "
+            f"or with >= {self.min_nodes} after --rdzv_timeout {self.rdzv_timeout_s:g} s")
+        limit = max(JOIN_TIMEOUT_S, self.rdzv_timeout_s)
+        return (f"jdp.launch: node 0 waits for node(s) {missing} to connect at "
+                f"{_net.join_host_port(*self.address)} ({len(self.nodes)} of {self.max_nodes} "
+                f"here; {_waiting.seconds(waited)} of at most {limit:g} s{elastic})")
+
+    def _nodes_of_next_round(self) -> dict:
         opened = time.monotonic()
         settle = opened + self.rdzv_timeout_s
         deadline = opened + max(JOIN_TIMEOUT_S, self.rdzv_timeout_s)

@@ -94,10 +94,11 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         ...     jdp.spawn(main, args=(100,), nprocs=2, devices_per_process=2)
     """
     _check(fn, nprocs, devices_per_process)
+    _env.check_settings(os.environ)
+    if progress_timeout is None:
+        progress_timeout = _env.seconds(os.environ, _env.PROGRESS_TIMEOUT)
     if problem := _profile_opts.problem(profile_steps, logdir, "profile_steps=", "logdir=DIR"):
         raise ValueError(problem)
-    if progress_timeout is None and os.environ.get(_env.PROGRESS_TIMEOUT):
-        progress_timeout = float(os.environ[_env.PROGRESS_TIMEOUT])
     limits = _supervisor.Limits(timeout_s=timeout, progress_timeout_s=progress_timeout,
                                 stop_grace_s=stop_grace)
     with tempfile.TemporaryDirectory(prefix="jdp-spawn-") as tmp:

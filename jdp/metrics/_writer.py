@@ -2,7 +2,8 @@
 
 Only the primary process writes (the others' writers do nothing), so a training script calls
 it unchanged on every rank. Always `LOGDIR/metrics.jsonl`, one JSON object per call
-(`{"step": 10, "time": ..., "loss": 0.31}`), readable without any library; TensorBoard event
+(`{"step": 10, "time": ..., "loss": 0.31}`), strict JSON readable without any library (a
+non-finite value as the string "NaN", "Infinity" or "-Infinity"); TensorBoard event
 files in LOGDIR (through tensorboardX, which needs no TensorFlow) when it is installed; an
 MLflow run when mlflow is installed and a tracking URI is set (MLFLOW_TRACKING_URI) or a run
 is active. The launcher writes its goodput figures through the same writer.
@@ -10,6 +11,7 @@ is active. The launcher writes its goodput figures through the same writer.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -63,7 +65,8 @@ class Writer:
                             "of names to numbers, e.g. {'loss': 0.3}")
         numbers_ = {str(k): _number(k, v) for k, v in values.items()}
         row = {"step": int(step), "time": time.time(), **numbers_}
-        self._jsonl.write(json.dumps(row, allow_nan=True) + "\n")
+        self._jsonl.write(json.dumps({k: _json_number(v) for k, v in row.items()},
+                                     allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for name, value in numbers_.items():
@@ -106,6 +109,21 @@ def _number(name: Any, value: Any) -> float:
                         "(a float, int or one-element array)") from None
 
 
+def _json_number(value: float) -> float | str:
+    """A number as strict JSON holds it: a non-finite one as the string "NaN", "Infinity" or
+    "-Infinity" (protobuf's JSON form; Python's `float()` reads all three back), since a
+    bare NaN makes the whole file unreadable to jq and strict parsers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def _quiet_non_finite(record: logging.LogRecord) -> bool:
+    """tensorboardX warns on stderr at each non-finite scalar; the writer records them as
+    values (a NaN loss is worth a point on the plot, not a stray line)."""
+    return "NaN or Inf found" not in record.getMessage()
+
+
 def _tensorboard(logdir: str, wanted: bool | None):
     """A tensorboardX SummaryWriter, or None (not wanted, or not installed with None)."""
     if wanted is False:
@@ -117,6 +135,7 @@ def _tensorboard(logdir: str, wanted: bool | None):
             raise ImportError("Writer(tensorboard=True) needs tensorboardX: pip install "
                               "tensorboardX (or jdp[examples])") from None
         return None
+    logging.getLogger("tensorboardX.x2num").addFilter(_quiet_non_finite)   # once: same object
     return SummaryWriter(logdir=logdir, flush_secs=10)
 
 
