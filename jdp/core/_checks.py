@@ -42,6 +42,17 @@ def bool_options(**options: Any) -> None:
             raise ValueError(f"{option}={value!r}: expected True or False")
 
 
+def fsdp_comm_dtype(shard_params: bool, comm_dtype: Any, compute_dtype: Any) -> None:
+    """Under FSDP the compiler reduces each layer's gradient where it is computed, in the
+    compute dtype: a different `comm_dtype` cannot be honoured."""
+    reduced = jnp.dtype(compute_dtype or jnp.float32)
+    if shard_params and comm_dtype is not None and jnp.dtype(comm_dtype) != reduced:
+        raise ValueError(
+            f"comm_dtype={comm_dtype!r} with shard_params=True: FSDP reduces each layer's "
+            f"gradient in the compute dtype ({reduced}); drop comm_dtype, or pass "
+            f"compute_dtype={jnp.dtype(comm_dtype).name} to compute and reduce in it")
+
+
 def trainable(params: Any) -> None:
     """The parameters the gradient is taken of: at least one leaf, every leaf floating."""
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_zero.is_sharded)[0]
@@ -130,7 +141,8 @@ def dtype_option(option: str, dtype: Any) -> None:
 
 
 def _row_sharded(x: jax.Array) -> bool:
-    return tuple(getattr(x.sharding, "spec", ()))[:1] == (_mesh.AXIS,)
+    """Split along `jdp.AXIS` on some axis (ZeRO: the leading one; FSDP: the parameter's)."""
+    return _mesh.AXIS in tuple(getattr(x.sharding, "spec", ()))
 
 
 def _on_mesh(x: jax.Array) -> bool:

@@ -89,7 +89,8 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
         raise TypeError(f"jdp.broadcast({option}=True): {type(tree).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
     placed = placed.replace(
-        opt_state=jax.tree.map(lambda x: _mesh.place(*_zero.sharded_host(x)), host.opt_state))
+        opt_state=jax.tree.map(lambda x: _mesh.place(*_zero.sharded_host(x, shard_params)),
+                               host.opt_state))
     return placed.replace(params=_zero.shard_params_host(host.params)) if shard_params else placed
 
 
@@ -155,9 +156,12 @@ def unshard(state: Any) -> Any:
     if opt_state is None or getattr(state, "tx", None) is None:
         return state
     logical = _zero.logical_opt_state(state)
-    if not _zero.is_stored(opt_state, logical):
-        return state
     params = state.params
-    if any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded)):
+    fsdp = any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded))
+    split = fsdp or any(not getattr(x, "sharding", _mesh.replicated()).is_fully_replicated
+                        for x in jax.tree.leaves(opt_state))
+    if not (split and _zero.is_stored(opt_state, logical)):
+        return state
+    if fsdp:
         params = jax.jit(_zero.logical, out_shardings=_mesh.replicated())(params)
     return state.replace(params=params, opt_state=_zero.gathered(opt_state, logical))
