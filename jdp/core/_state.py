@@ -61,9 +61,12 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
             axis to a multiple of N; scalars replicated); it never exists whole on a device.
             Use it with `jdp.train_step(..., shard_optimizer=True)`.
         shard_params: FSDP / ZeRO-3: the parameters sharded too (and the optimizer state):
-            each parameter leaf with a leading axis becomes a `Sharded` node holding 1/N of its
-            padded rows per device. Use it with `jdp.train_step(..., shard_params=True)`;
-            `jdp.unshard(state)` gives the parameters back in the model's own shapes.
+            each parameter leaf with an axis becomes a `Sharded` node that reports the model's
+            shape and dtype and holds 1/N of it per device, split (padded) on one axis: not
+            the leading axis of a stacked leaf of 3 or more dimensions, so a scanned model is
+            gathered one layer at a time; its optimizer state is split the same way. Use it
+            with `jdp.train_step(..., shard_params=True)`; `jdp.unshard(state)` gives plain
+            replicated arrays in the model's own shapes.
 
     Returns:
         The same structure with global `jax.Array` leaves.
