@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jdp.core import _checks, _mesh
 from jdp.core._mesh import AXIS
@@ -126,7 +128,7 @@ def device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
 
 
 def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync,
-                 mean, compute_dtype):
+                 mean, compute_dtype, group=None):
     """FSDP's gradient at jit level: every device's loss under `jax.vmap` over `AXIS`.
 
     The parameters enter the map unbatched and stay split as stored, so the compiler gathers
@@ -142,6 +144,11 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     ms = getattr(state, field) if field else None
     ms = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), ms)
     micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(n, k, -1, *x.shape[1:]), 0, 1), batch)
+    devices = AXIS
+    if group:  # HSDP: the devices as (groups, within a group), the batch split over both
+        devices = (_mesh.REPLICA, _mesh.SHARD)
+        split = NamedSharding(_mesh.group_mesh(group), P(None, devices))
+        micro = jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), micro)
     use_rng = getattr(state, "rng", None) is not None
 
     def device_loss(params, b, ms, i):
@@ -152,7 +159,7 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     def total(params, b, ms, i):
         params = jax.tree.map(lambda x: _cast(x, compute_dtype), params)
         losses, aux = jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=AXIS,
-                               spmd_axis_name=AXIS)(params, b, ms, i)
+                               spmd_axis_name=devices)(params, b, ms, i)
         return jnp.sum(losses) / (n if mean else 1), aux
 
     def body(carry, i):

@@ -111,9 +111,9 @@ def _fsdp_train_step(state, batch, stop, *, mean, comm_dtype, **options):
     """FSDP's step, all at jit level: the devices' losses under `jax.vmap` over the stored
     (split) parameters, so the compiler gathers each layer where it is used
     (`_grads.mapped_grads`), then the update on the split state (`_zero.apply`)."""
-    params = _zero.logical(state.params)
+    params, group = _zero.logical(state.params), _zero.params_group(state.params)
     grads, new_ms, metrics = _grads.mapped_grads(
-        state.replace(params=params), batch, stop, mean=mean, **options)
+        state.replace(params=params), batch, stop, mean=mean, group=group, **options)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     state = _zero.apply(state, grads, comm_dtype)
     field = _grads.model_state_field(state)
@@ -130,7 +130,7 @@ def place_stop(flag: bool) -> jax.Array:
 def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "mean",
                accum_steps: int = 1, model_state_sync: str | None = "mean",
                comm_dtype: Any = None, donate: bool = True, max_in_flight: int = 2,
-               shard_optimizer: bool = False, shard_params: bool = False,
+               shard_optimizer: bool = False, shard_params: bool | int | str = False,
                compute_dtype: Any = None, cast_batch: bool = True) -> Callable:
     """Make a data-parallel train step from a pure single-device loss.
 
@@ -204,7 +204,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
     _checks.dtype_option("compute_dtype", compute_dtype)
     _checks.bool_options(has_aux=has_aux, donate=donate, shard_optimizer=shard_optimizer,
-                         shard_params=shard_params, cast_batch=cast_batch)
+                         cast_batch=cast_batch)
+    _checks.shard_params_option(shard_params)
     _checks.fsdp_comm_dtype(shard_params, comm_dtype, compute_dtype)
     body = functools.partial(
         _global_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,

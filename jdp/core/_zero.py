@@ -25,6 +25,7 @@ are stored again, never whole outside the step.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -46,6 +47,7 @@ class Sharded:
     value: Any
     shape: tuple[int, ...]
     axis: int
+    group: int | None = None   # HSDP: split within groups of this many devices; None: all
 
     @property
     def dtype(self) -> Any:
@@ -60,7 +62,25 @@ class Sharded:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-jax.tree_util.register_dataclass(Sharded, data_fields=["value"], meta_fields=["shape", "axis"])
+jax.tree_util.register_dataclass(Sharded, data_fields=["value"],
+                                 meta_fields=["shape", "axis", "group"])
+
+
+def group_size(shard_params: Any) -> int | None:
+    """The devices one parameter is split over for a `shard_params` value: None for all of
+    them (True), `k` for groups of k consecutive devices, a node's devices for "node"
+    (this process's devices x LOCAL_WORLD_SIZE processes per node); refused otherwise."""
+    n = _mesh.mesh().size
+    k = shard_params
+    if shard_params == "node":
+        k = jax.local_device_count() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if k is True:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2 or n % k:
+        raise ValueError(f"shard_params={shard_params!r}: expected True (all {n} devices), "
+                         f"\"node\", or an int >= 2 that divides the device count {n} (HSDP: "
+                         "groups of that many consecutive devices)")
+    return None if k == n else k
 
 
 def shard_axis(shape: tuple[int, ...]) -> int | None:
@@ -100,21 +120,29 @@ def _pad(x: Any, n: int, axis: int = 0) -> Any:
     return lib.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
 
 
-def split_on(axis: int | None) -> Any:
-    """The sharding of a leaf split along `jdp.AXIS` on `axis` (None: replicated)."""
+def split_on(axis: int | None, group: int | None = None) -> Any:
+    """The sharding of a leaf split on `axis` along `jdp.AXIS`, or within groups of `group`
+    devices and replicated across them (HSDP); None: replicated."""
+    P = jax.sharding.PartitionSpec
     if axis is None:
         return _mesh.replicated()
-    return jax.sharding.NamedSharding(
-        _mesh.mesh(), jax.sharding.PartitionSpec(*[None] * axis, AXIS))
+    if group is None:
+        return jax.sharding.NamedSharding(_mesh.mesh(), P(*[None] * axis, AXIS))
+    return jax.sharding.NamedSharding(_mesh.group_mesh(group), P(*[None] * axis, _mesh.SHARD))
 
 
-def sharded_host(value: np.ndarray, fsdp: bool = False) -> tuple[np.ndarray, Any]:
+def _ways(group: int | None) -> int:
+    return group or _mesh.mesh().size
+
+
+def sharded_host(value: np.ndarray, fsdp: bool = False,
+                 group: int | None = None) -> tuple[np.ndarray, Any]:
     """(stored host value, sharding) of one optimiser-state leaf."""
     value = np.asarray(value)
     axis = opt_axis(value.shape, fsdp)
     if axis is None:
         return value, _mesh.replicated()
-    return _pad(value, _mesh.mesh().size, axis), split_on(axis)
+    return _pad(value, _ways(group), axis), split_on(axis, group)
 
 
 def _padded_shape(shape: tuple[int, ...], axis: int | None, n: int) -> tuple[int, ...]:
@@ -123,9 +151,9 @@ def _padded_shape(shape: tuple[int, ...], axis: int | None, n: int) -> tuple[int
     return tuple(padded_rows(d, n) if a == axis else d for a, d in enumerate(shape))
 
 
-def is_stored(opt_state: Any, logical: Any) -> bool:
+def is_stored(opt_state: Any, logical: Any, group: int | None = None) -> bool:
     """Does `opt_state` have a stored (padded, sharded: ZeRO's or FSDP's) form of `logical`?"""
-    n = _mesh.mesh().size
+    n = _ways(group)
     have = jax.tree.map(lambda x: tuple(x.shape), opt_state)
     for fsdp in (False, True):
         want = jax.tree.map(lambda s, f=fsdp: _padded_shape(s.shape, opt_axis(s.shape, f), n),
@@ -176,13 +204,14 @@ def apply(state: Any, grad_rows: Any, comm_dtype: Any) -> Any:
     replicated, or stored again too when they are `Sharded`.
     """
     sharded = any(is_sharded(x) for x in jax.tree.leaves(state.params, is_leaf=is_sharded))
+    group = params_group(state.params)
     params = logical(state.params)
-    grads = jax.tree.map(lambda g, p: _unpad_like(g, p, sharded), grad_rows, params)
+    grads = jax.tree.map(lambda g, p: _unpad_like(g, p, sharded, group), grad_rows, params)
     logical_opt = jax.eval_shape(state.tx.init, params)
-    opt_state = jax.tree.map(lambda x, like: _unpad_like(x, like, sharded), state.opt_state,
-                             logical_opt)
+    opt_state = jax.tree.map(lambda x, like: _unpad_like(x, like, sharded, group),
+                             state.opt_state, logical_opt)
     updates, opt_state = state.tx.update(grads, opt_state, params)
-    opt_state = jax.tree.map(lambda x: _store(x, opt_axis(x.shape, sharded)), opt_state)
+    opt_state = jax.tree.map(lambda x: _store(x, opt_axis(x.shape, sharded), group), opt_state)
     replicated = _mesh.replicated()
 
     def gather(u):  # the all-gather: every device gets all updated rows
@@ -190,7 +219,9 @@ def apply(state: Any, grad_rows: Any, comm_dtype: Any) -> Any:
         return lax.with_sharding_constraint(sent, replicated).astype(u.dtype)
 
     def restore(old, new):  # a Sharded parameter is stored again; the rest replicated
-        return Sharded(_store(new, old.axis), old.shape, old.axis) if is_sharded(old) else new
+        if not is_sharded(old):
+            return new
+        return Sharded(_store(new, old.axis, old.group), old.shape, old.axis, old.group)
 
     if sharded:
         new = optax.apply_updates(params, updates)
@@ -200,38 +231,47 @@ def apply(state: Any, grad_rows: Any, comm_dtype: Any) -> Any:
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
 
-def _logical_of(x: jax.Array, like: Any, axis: int | None) -> jax.Array:
+def _logical_of(x: jax.Array, like: Any, axis: int | None, group: int | None) -> jax.Array:
     """The logical part of a stored leaf, kept split on `axis`."""
-    return lax.with_sharding_constraint(_unpad(x, like), split_on(axis)) if like.shape else x
+    if not like.shape:
+        return x
+    return lax.with_sharding_constraint(_unpad(x, like), split_on(axis, group))
 
 
-def _unpad_like(x: jax.Array, like: Any, fsdp: bool = False) -> jax.Array:
+def _unpad_like(x: jax.Array, like: Any, fsdp: bool = False, group: int | None = None):
     """The logical leaf (`like`'s shape) of a stored one, kept split as stored."""
-    return _logical_of(x, like, opt_axis(like.shape, fsdp))
+    return _logical_of(x, like, opt_axis(like.shape, fsdp), group)
 
 
-def _store(x: jax.Array, axis: int | None) -> jax.Array:
+def _store(x: jax.Array, axis: int | None, group: int | None = None) -> jax.Array:
     """A logical leaf in its stored form: padded and split on `axis` (None: replicated)."""
     if axis is None:
         return lax.with_sharding_constraint(x, _mesh.replicated())
-    return lax.with_sharding_constraint(_pad(x, _mesh.mesh().size, axis), split_on(axis))
+    return lax.with_sharding_constraint(_pad(x, _ways(group), axis), split_on(axis, group))
 
 
-def shard_params_host(params: Any) -> Any:
-    """Host parameters in their stored form: `Sharded` global arrays (scalars replicated)."""
+def shard_params_host(params: Any, group: int | None = None) -> Any:
+    """Host parameters in their stored form: `Sharded` global arrays (scalars replicated),
+    split over all devices or within groups of `group` (HSDP)."""
     def one(x):
         x = np.asarray(x)
-        placed = _mesh.place(*sharded_host(x, fsdp=True))
-        return Sharded(placed, x.shape, shard_axis(x.shape)) if x.ndim else placed
+        placed = _mesh.place(*sharded_host(x, fsdp=True, group=group))
+        return Sharded(placed, x.shape, shard_axis(x.shape), group) if x.ndim else placed
 
     return jax.tree.map(one, params)
+
+
+def params_group(params: Any) -> int | None:
+    """The group size the `Sharded` parameters are split within (None: all devices)."""
+    return next((x.group for x in jax.tree.leaves(params, is_leaf=is_sharded)
+                 if is_sharded(x)), None)
 
 
 def logical(params: Any) -> Any:
     """Parameters in the model's own shapes (jit context): `Sharded` leaves unpadded, kept
     split as stored; other leaves as they are."""
-    return jax.tree.map(lambda x: _logical_of(x.value, x, x.axis) if is_sharded(x) else x,
-                        params, is_leaf=is_sharded)
+    return jax.tree.map(lambda x: _logical_of(x.value, x, x.axis, x.group) if is_sharded(x)
+                        else x, params, is_leaf=is_sharded)
 
 
 def logical_shapes(params: Any) -> Any:
