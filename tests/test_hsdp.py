@@ -88,3 +88,27 @@ def test_the_step_and_the_state_must_agree_on_the_groups():
                                                         tx=TX), shard_params=3)
     one_line_error(ValueError, ["shard_params='rack'", "\"node\""], jdp.train_step,
                    mse_loss(scanned), shard_params="rack")
+
+
+def test_a_checkpoint_saved_under_hsdp_restores_under_fsdp_replicated_and_back(tmp_path):
+    """Stacked width 20 (4 divides it, 8 does not: FSDP pads it to 24, HSDP does not)."""
+    params0, data = stacked(L, 20), batches(N * 2, 20)
+    step = jdp.train_step(mse_loss(scanned), shard_params=K)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params0, tx=TX),
+                          shard_params=K)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    want = jax.device_get(jdp.unshard(state))
+    template = jdp.TrainState.create(apply_fn=None, params=params0, tx=TX)
+    for i, placing in enumerate((True, False, K)):
+        ckpt = jdp.checkpoint.Checkpointer(tmp_path / str(i))
+        ckpt.save(i + 1, state)
+        ckpt.close()
+        ckpt = jdp.checkpoint.Checkpointer(tmp_path / str(i))
+        state = ckpt.restore(jdp.broadcast(template, shard_params=placing))
+        ckpt.close()
+        got = jax.device_get(jdp.unshard(state))
+        for g, w in zip(jax.tree.leaves((got.params, got.opt_state)),
+                        jax.tree.leaves((want.params, want.opt_state)), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert state.params["w"].group == K and state.params["w"].value.shape == (L, 20, 20)
