@@ -7,7 +7,8 @@ import re
 import jax
 import numpy as np
 import optax
-from conftest import one_line_error
+import pytest
+from conftest import free_port, job_env, one_line_error, start_launcher, write_script
 from test_fsdp_layers import assert_tree_close, batches, mse_loss, scanned, single_device, stacked
 
 import jdp
@@ -112,3 +113,54 @@ def test_a_checkpoint_saved_under_hsdp_restores_under_fsdp_replicated_and_back(t
                         jax.tree.leaves((want.params, want.opt_state)), strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert state.params["w"].group == K and state.params["w"].value.shape == (L, 20, 20)
+
+
+NODES = """
+import sys, json, jax, jax.numpy as jnp, numpy as np, optax, jdp
+from jax import lax
+jdp.initialize()
+out = sys.argv[1]
+exec(open(sys.argv[2]).read())               # the shared model and data: stacked, scanned, ...
+loss = lambda p, b: jnp.mean((scanned(p, b["x"]) - b["y"]) ** 2)
+tx = optax.sgd(0.05, momentum=0.9)
+state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(4, 64), tx=tx),
+                      shard_params="node")
+step = jdp.train_step(loss, shard_params="node")
+per = 32 // jax.process_count()
+mine = slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+data = batches(32, 64)
+text = step.lower(state, jdp.shard({k: v[mine] for k, v in data[0].items()})).compile().as_text()
+for b in data:
+    state, _ = step(state, jdp.shard({k: v[mine] for k, v in b.items()}))
+full = jdp.unshard(state)
+np.savez(f"{out}/rank{jax.process_index()}.npz", **{k: np.asarray(v) for k, v in
+                                                    full.params.items()})
+if jax.process_index() == 0:
+    open(f"{out}/step.hlo", "w").write(text)
+    open(f"{out}/group.json", "w").write(json.dumps(state.params["w"].group))
+"""
+
+
+@pytest.mark.parametrize("processes, devices", [(1, 4), (2, 2)])
+def test_shard_params_node_on_two_nodes_of_four_devices(tmp_path, tag, processes, devices):
+    """Two launchers on this machine play two nodes of 4 devices (1 process x 4, or 2 x 2):
+    "node" splits within each node's devices; only the gradient shards' reduction crosses."""
+    import test_fsdp_layers
+    script = write_script(tmp_path, "nodes.py", NODES)
+    common = write_script(tmp_path, "common.py", test_fsdp_layers.COMMON)
+    port = free_port()
+    nodes = [start_launcher(["--nnodes", 2, "--node_rank", node, "--nproc_per_node", processes,
+                             "--devices_per_process", devices, "--master_port", port, script,
+                             tmp_path, common], job_env(tag)) for node in (1, 0)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    data = batches(32, 64)
+    want = single_device(mse_loss(scanned), stacked(4, 64), TX, data)
+    for rank in range(2 * processes):
+        assert_tree_close(dict(np.load(tmp_path / f"rank{rank}.npz")), want)
+    assert (tmp_path / "group.json").read_text() == "4"
+    found = large_collectives((tmp_path / "step.hlo").read_text())
+    within, across = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert ("all-reduce", across) in found and any(k == "all-gather" for k, _ in found)
+    assert all(g in (within, across) for _, g in found), found
+    assert all(g == within for k, g in found if k == "all-gather"), found
