@@ -175,7 +175,9 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
             where it is used: a model whose layers are scanned (`lax.scan`, `nn.scan`,
             `nnx.scan`, under remat) gathers one layer at a time, forward and backward, and
             reduces that layer's gradient; an unrolled model is gathered whole. Gradients are
-            reduced in `compute_dtype` (a different `comm_dtype` is refused).
+            reduced in `compute_dtype` (a different `comm_dtype` is refused). HSDP: an int k
+            (or "node") splits within groups of k consecutive devices (a node's), replicated
+            across groups: gathers stay in a group, the gradient shards' reduction crosses.
         compute_dtype: the loss sees floating parameters cast to this dtype (e.g.
             `jnp.bfloat16`; under `shard_params` they are gathered in it, half the bytes);
             gradients come back in the parameters' own dtype and are reduced in it (or in

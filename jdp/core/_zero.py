@@ -69,11 +69,11 @@ jax.tree_util.register_dataclass(Sharded, data_fields=["value"],
 def group_size(shard_params: Any) -> int | None:
     """The devices one parameter is split over for a `shard_params` value: None for all of
     them (True), `k` for groups of k consecutive devices, a node's devices for "node"
-    (this process's devices x LOCAL_WORLD_SIZE processes per node); refused otherwise."""
+    (this process's devices x the processes per node); refused otherwise."""
     n = _mesh.mesh().size
     k = shard_params
     if shard_params == "node":
-        k = jax.local_device_count() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        k = jax.local_device_count() * _processes_per_node()
     if k is True:
         return None
     if isinstance(k, bool) or not isinstance(k, int) or k < 2 or n % k:
@@ -104,6 +104,16 @@ def opt_axis(shape: tuple[int, ...], fsdp: bool) -> int | None:
 
 def is_sharded(x: Any) -> bool:
     return isinstance(x, Sharded)
+
+
+def _processes_per_node() -> int:
+    """This node's process count, as the launcher (torchrun's LOCAL_WORLD_SIZE), Open MPI or
+    SLURM (`SLURM_TASKS_PER_NODE`, e.g. "4(x2)") says; 1 when none does."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_TASKS_PER_NODE"):
+        value = os.environ.get(name, "").split("(")[0].split(",")[0]
+        if value.isdigit():
+            return int(value)
+    return 1
 
 
 def padded_rows(rows: int, n: int) -> int:
