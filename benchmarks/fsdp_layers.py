@@ -10,6 +10,8 @@ gathers; the time baseline). The same for
 the layers unrolled (a Python loop, each layer under `jax.checkpoint`). Per device: parameters
 + optimizer state at rest, the compiled peak (`memory_analysis()`: arguments + outputs -
 aliased + temporaries), ms per step, alternated with the whole-model step in one process.
+And HSDP (`shard_params=4`) beside replicated, ZeRO and FSDP with the 8 devices seen as 2
+nodes of 4: the bytes of the compiled collectives that cross nodes.
 `python -m benchmarks.fsdp_layers WIDTH` prints one JSON line (run it with 8 devices).
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jdp
-from benchmarks import jobs, report
+from benchmarks import hlo, jobs, report
 
 LAYERS = (8, 16, 64)
 PER_DEVICE = 16
@@ -166,6 +168,31 @@ def measure(width: int, steps: int = 2, rounds: int = 2) -> dict:
                 "peak": base["peak"], "rest": base["rest"], "ms": _ms(base, steps), "speed": 1.0,
                 "params": n_layers * width * width}
             out.setdefault(form, {})[n_layers] = row
+    return {"deep": out, "nodes": measure_nodes(width, steps=steps, rounds=rounds)}
+
+
+NODE_MODES = {"replicated": {}, "ZeRO": {"shard_optimizer": True},
+              "FSDP": {"shard_params": True}, "HSDP (groups of 4)": {"shard_params": 4}}
+
+
+def measure_nodes(width: int, layers: int = 16, steps: int = 2, rounds: int = 2) -> dict:
+    """The 8 devices seen as 2 nodes of 4: each mode's peak, the bytes of its compiled
+    collectives whose device groups span both nodes, and its speed against FSDP's step
+    (alternated in one process)."""
+    params, batch = _data(layers, width)
+    base, out = _jdp_step(_scanned, params, batch, NODE_MODES["FSDP"]), {}
+    for mode, options in NODE_MODES.items():
+        b = base if mode == "FSDP" else _jdp_step(_scanned, params, batch, options)
+        text = b["run"].lower(*b["args"]).compile().as_text()
+        ratios = []
+        for r in range(rounds):
+            pair = [base, b] if r % 2 == 0 else [b, base]
+            ms = {id(x): _ms(x, steps) for x in pair}
+            ratios.append(ms[id(base)] / ms[id(b)])
+        out[mode] = {"peak": b["peak"], "rest": b["rest"], "ms": ms[id(b)],
+                     "speed": statistics.median(ratios),
+                     "crossing": hlo.crossing_bytes(text, jax.device_count() // 2)}
+        gc.collect()
     return out
 
 
@@ -186,8 +213,8 @@ def table(r: dict) -> str:
                           env=jobs.base_env("default", XLA_FLAGS=jobs.device_flags(8)))
     if proc.returncode:
         return f"Deep models: failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}\n"
-    rows = []
-    for form, sizes in json.loads(proc.stdout.splitlines()[-1]).items():
+    rows, found = [], json.loads(proc.stdout.splitlines()[-1])
+    for form, sizes in found["deep"].items():
         for layers, modes in sizes.items():
             for mode, f in modes.items():
                 rows.append([layers, form, mode, report.fmt(f["rest"] / MiB, 1),
@@ -199,7 +226,19 @@ def table(r: dict) -> str:
             "`memory_analysis()` of the compiled step. Speed: the whole-model FSDP step's time / "
             "this mode's, alternated in one process. Largest model: 2 GiB / measured bytes per "
             "parameter at peak (computed, not tried).\n\n")
-    return note + report.table(HEADER, rows)
+    return note + report.table(HEADER, rows) + _nodes_table(found["nodes"], width)
+
+
+def _nodes_table(found: dict, width: int) -> str:
+    """HSDP against the other modes on 2 simulated nodes of 4 devices."""
+    rows = [[mode, report.fmt(f["rest"] / MiB, 1), report.fmt(f["peak"] / MiB, 1),
+             report.fmt(f["crossing"] / MiB, 2), report.fmt(f["ms"], 0), report.fmt(f["speed"])]
+            for mode, f in found.items()]
+    return (f"\n\n**Two nodes of 4 devices** (the 8 devices as 2 nodes; 16 scanned layers of "
+            f"{width}, Adam): bytes crossing nodes = result bytes of the compiled collectives "
+            "whose device groups span both nodes, per device per step.\n\n" + report.table(
+                ["mode", "at rest MiB", "step peak MiB", "MiB crossing nodes", "ms / step",
+                 "speed vs FSDP"], rows))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
 """HSDP (`shard_params=k`): parameters split within groups of k consecutive devices and
 replicated across the groups; per-layer gathers inside a group, one reduction of the gradient
 shards across the groups; training exactly as single-device optax."""
-import math
-import re
-
 import jax
 import numpy as np
 import optax
@@ -12,6 +9,7 @@ from conftest import free_port, job_env, one_line_error, start_launcher, write_s
 from test_fsdp_layers import assert_tree_close, batches, mse_loss, scanned, single_device, stacked
 
 import jdp
+from benchmarks import hlo
 
 N, K, L, D = 8, 4, 4, 64
 TX = optax.sgd(0.05, momentum=0.9)
@@ -22,38 +20,10 @@ def hsdp_state(k=K):
                          shard_params=k)
 
 
-def replica_groups(line: str) -> list[tuple[int, ...]]:
-    """The device groups of one collective in compiled HLO text (explicit or iota form)."""
-    explicit = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
-    if explicit:
-        return sorted(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}",
-                                                                        explicit[1]))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]T\(([\d,]+)"
-                  r"\)\))? \{([^}]*)\}", line)
-    dims = re.findall(r"'(\w+)'=(\d+)", m[1])
-    sizes = [int(s) for _, s in dims]
-    ids = np.arange(math.prod(sizes))
-    if m[2]:
-        ids = ids.reshape([int(s) for s in m[2].split(",")]).transpose(
-            [int(s) for s in m[3].split(",")])
-    ids = ids.reshape(sizes)
-    named = re.findall(r"'(\w+)'", m[4])
-    axes = [i for i, (name, _) in enumerate(dims) if name in named]
-    rest = [i for i in range(len(dims)) if i not in axes]
-    groups = ids.transpose(rest + axes).reshape(-1, math.prod(sizes[a] for a in axes))
-    return sorted(tuple(g) for g in groups.tolist())
-
-
 def large_collectives(text: str, min_bytes: int = 1024) -> list[tuple[str, list]]:
-    """(kind, groups) of every all-gather, reduce-scatter and all-reduce moving more than
-    `min_bytes` (the metrics' scalars and the stop flag are left out)."""
-    out = []
-    for line in text.splitlines():
-        m = re.search(r"= (\w+)\[([\d,]*)\]\S* (all-gather|reduce-scatter|all-reduce)"
-                      r"(?:-start)?\(", line)
-        if m and math.prod(int(d) for d in m[2].split(",") if d) * 4 > min_bytes:
-            out.append((m[3], replica_groups(line)))
-    return out
+    """(kind, device groups) of every all-gather, reduce-scatter and all-reduce whose result
+    is over `min_bytes` (the metrics' scalars and the stop flag are left out)."""
+    return [(kind, groups) for kind, size, groups, _ in hlo.grouped(text) if size > min_bytes]
 
 
 def test_groups_of_4_on_8_devices_train_exactly_and_hold_a_quarter_of_the_model():
