@@ -134,3 +134,20 @@ def test_shard_params_node_on_two_nodes_of_four_devices(tmp_path, tag, processes
     assert ("all-reduce", across) in found and any(k == "all-gather" for k, _ in found)
     assert all(g in (within, across) for _, g in found), found
     assert all(g == within for k, g in found if k == "all-gather"), found
+
+
+def test_accumulation_clipped_adam_and_eval_step_under_hsdp():
+    import jax.numpy as jnp
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    data, loss = batches(N * 4, D), mse_loss(scanned)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(L, D), tx=tx),
+                          shard_params=K)
+    step = jdp.train_step(loss, shard_params=K, accum_steps=2)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    want = single_device(loss, stacked(L, D), tx, data)
+    assert_tree_close(jdp.unshard(state).params, want)
+    totals = jdp.eval_step(lambda s, b: {"sq": jnp.mean((scanned(s.params, b["x"]) - b["y"]) ** 2,
+                                                        axis=1)})(state, jdp.shard(data[0]))
+    np.testing.assert_allclose(float(totals["sq"]) / float(totals["count"]),
+                               float(loss(want, data[0])), rtol=1e-5)
