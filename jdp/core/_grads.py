@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _mesh
+from jdp.core import _checks, _mesh, _zero
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -157,7 +157,7 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
         return loss, (loss, metrics, new_ms)
 
     def total(params, b, ms, i):
-        params = jax.tree.map(lambda x: _cast(x, compute_dtype), params)
+        params = _zero.cast(params, compute_dtype)
         losses, aux = jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=AXIS,
                                spmd_axis_name=devices)(params, b, ms, i)
         return jnp.sum(losses) / (n if mean else 1), aux
@@ -185,7 +185,3 @@ def _merge_model_state(ms: Any, how: str | None) -> Any:
             return jnp.mean(x, axis=0)
         return x[0]
     return jax.tree.map(one, ms)
-
-
-def _cast(x: Any, dtype: Any) -> Any:
-    return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x

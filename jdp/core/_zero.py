@@ -20,7 +20,8 @@ the leading axis of a leaf of 3 or more dimensions, which may be a stack of scan
 split along `jdp.AXIS` there, and its optimizer-state leaves are stored the same way. The step
 (`jdp/core/_grads.py`'s `mapped_grads`) leaves the gathers to the compiler, so a scanned model
 gathers one layer at a time; the update runs on the logical arrays as above and the parameters
-are stored again, never whole outside the step.
+are stored again, never whole outside the step. HSDP (`shard_params=k` or "node") stores the
+same way within groups of k consecutive devices (`_mesh.group_mesh`), replicated across them.
 """
 from __future__ import annotations
 
