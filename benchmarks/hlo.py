@@ -51,3 +51,60 @@ def expected_bytes(params: Any, model_state: Any, metric_scalars: int) -> int:
     (BatchNorm statistics) and one float32 per metric."""
     leaves = [np.asarray(x) for x in jax.tree.leaves((params, model_state))]
     return sum(x.nbytes for x in leaves if np.issubdtype(x.dtype, np.floating)) + 4 * metric_scalars
+
+
+def replica_groups(line: str) -> list[tuple[int, ...]]:
+    """The device groups of one collective's HLO line: `replica_groups={{0,1},{2,3}}` or the
+    iota form `replica_groups=mesh['axis_0'=4,...], device_ids=([2,4]T(1,0)) {'axis_0'}`."""
+    explicit = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+    if explicit:
+        return sorted(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}",
+                                                                        explicit[1]))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]T\(([\d,]+)"
+                  r"\)\))? \{([^}]*)\}", line)
+    if not m:
+        return []
+    dims = re.findall(r"'(\w+)'=(\d+)", m[1])
+    sizes = [int(s) for _, s in dims]
+    ids = np.arange(int(np.prod(sizes)))
+    if m[2]:
+        ids = ids.reshape([int(s) for s in m[2].split(",")]).transpose(
+            [int(s) for s in m[3].split(",")])
+    ids = ids.reshape(sizes)
+    named = re.findall(r"'(\w+)'", m[4])
+    axes = [i for i, (name, _) in enumerate(dims) if name in named]
+    rest = [i for i in range(len(dims)) if i not in axes]
+    groups = ids.transpose(rest + axes).reshape(-1, int(np.prod([sizes[a] for a in axes])))
+    return sorted(tuple(g) for g in groups.tolist())
+
+
+def grouped(hlo_text: str) -> list[tuple[str, int, list[tuple[int, ...]], int]]:
+    """(kind, result bytes, device groups, runs per step) of every all-reduce, reduce-scatter
+    and all-gather; runs: the known trip counts of the while loops around it, multiplied."""
+    out, runs, where, loops = [], {}, None, {}
+    for line in hlo_text.splitlines():
+        if header := re.match(r"^(?:ENTRY\s+)?%?(\S+)\s.*\{\s*$", line):
+            where = header.group(1)
+        if body := re.search(r"\bwhile\(.*\bbody=%?([\w.\-]+)", line):
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            loops[body.group(1)] = (where, int(trips.group(1)) if trips else 1)
+        if match := _OP.match(line):
+            size = sum(int(np.prod([int(x) for x in d.split(",") if x])) * _BYTES[t]
+                       for t, d in _SHAPE.findall(match.group(1)) if t in _BYTES)
+            out.append((match.group(2), size, replica_groups(line), where))
+
+    def times(name, depth=0):
+        if name not in loops or depth > 16:
+            return 1
+        parent, trips = loops[name]
+        return trips * times(parent, depth + 1)
+
+    return [(kind, size, groups, runs.setdefault(name, times(name)))
+            for kind, size, groups, name in out]
+
+
+def crossing_bytes(hlo_text: str, node_size: int) -> int:
+    """Result bytes per step of the collectives whose device groups span more than one node
+    (nodes of `node_size` consecutive devices): what a step sends between nodes."""
+    return sum(size * runs for _, size, groups, runs in grouped(hlo_text)
+               if any(len({d // node_size for d in g}) > 1 for g in groups))

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 import jdp
-from benchmarks import hlo, jobs, report
+from benchmarks import fsdp_layers, hlo, jobs, report
 
 # mode -> options of both jdp.broadcast (the two shard_* flags) and jdp.train_step (all).
 MODES = {
@@ -174,7 +174,8 @@ def table(r: dict) -> str:
             "bf16 collectives to float32). Largest MLP: "
             f"{BUDGET // 2**30} GiB / this mode's measured bytes per parameter (at rest, at "
             "peak), computed, not tried.\n\n")
-    return note + report.table(HEADER, rows) + "".join(failed)
+    deep = "\n\n**Deep models, one layer at a time.** " + fsdp_layers.table(r)
+    return note + report.table(HEADER, rows) + "".join(failed) + deep
 
 
 if __name__ == "__main__":

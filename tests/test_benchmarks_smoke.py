@@ -124,8 +124,9 @@ def test_sharded_state_at_rest_is_the_share_adam_predicts_in_the_table(block):
 
 def test_zero_table_measures_the_bytes_adam_and_the_collectives_predict():
     """Per device on the 8 test devices, from the model's size alone: bytes at rest of every
-    mode, the collectives' bytes in the lowered program (bf16 = half of float32), and a peak
-    that holds one whole gathered copy of the model under FSDP."""
+    mode, the collectives' bytes, and a peak that holds one whole gathered copy of this
+    unrolled model under FSDP (whose gathers the compiler places: none in the lowered program,
+    the whole model's in the compiled one)."""
     import jax
 
     from benchmarks import zero
@@ -138,11 +139,12 @@ def test_zero_table_measures_the_bytes_adam_and_the_collectives_predict():
         assert f["rest"] == rest.get(mode, 3 * f32 // n) + count, mode
         assert f["rest"] <= f["peak"] and math.isfinite(f["ms"]) and f["ms"] > 0, mode
     assert f32 <= got["replicated"]["all-reduce"] <= f32 + 16  # + the loss and the stop flag
-    for mode, gather, scatter in [("FSDP", f32, f32), ("FSDP bf16", f32 // 2, f32),
-                                  ("FSDP bf16 + bf16 grads", f32 // 2, f32 // 2)]:
+    assert got["ZeRO"]["lowered reduce-scatter"] == f32 // n
+    for mode in ("FSDP", "FSDP bf16", "FSDP bf16 + bf16 grads"):
         f = got[mode]
-        assert (f["lowered all-gather"], f["lowered reduce-scatter"]) == (gather, scatter // n)
-        assert f["peak"] >= f["rest"] + gather, mode  # the whole model, gathered
+        assert (f["lowered all-gather"], f["lowered reduce-scatter"]) == (0, 0), mode
+        assert f["all-gather"] >= f32, mode  # compiled: XLA:CPU gathers bf16 widened to f32
+        assert f["peak"] >= f["rest"] + f32, mode  # the whole model, gathered
         assert f["peak"] < got["replicated"]["peak"], mode
     assert zero.largest(got["FSDP"], "rest") == pytest.approx(
         n * zero.largest(got["replicated"], "rest"), rel=0.01)

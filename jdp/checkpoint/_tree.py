@@ -1,6 +1,6 @@
 """A train state as a checkpoint sees it: its array leaves, each with a name and a logical shape.
 
-ZeRO stores optimizer-state leaves padded on the leading axis to a multiple of the device count.
+ZeRO and FSDP store leaves padded on one axis to a multiple of the device count.
 The checkpoint records the logical shape; orbax writes the padded shards as they are and cuts or
 zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 unsharded works.
 """
@@ -76,13 +76,13 @@ def _keys(path: Any) -> tuple[str, ...]:
 
 
 def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{keys: logical shape} of leaves stored padded on their leading axis: ZeRO's optimizer
+    """{keys: logical shape} of leaves stored padded on one axis: ZeRO's and FSDP's optimizer
     state (`tx.init(params)`'s shapes) and FSDP's parameters (`Sharded`)."""
     try:
         opt_state, logical = state.opt_state, logical_opt_state(state)
     except Exception:  # noqa: BLE001 - not an optax train state we understand: no padding
         return {}
-    out = {_keys((jax.tree_util.GetAttrKey("params"), *path)): (x.rows, *x.value.shape[1:])
+    out = {_keys((jax.tree_util.GetAttrKey("params"), *path)): tuple(x.shape)
            for path, x in jax.tree_util.tree_flatten_with_path(
                state.params, is_leaf=is_sharded)[0] if is_sharded(x)}
     if jax.tree.structure(logical) != jax.tree.structure(opt_state):
@@ -90,7 +90,8 @@ def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...
     stored = jax.tree_util.tree_flatten_with_path(opt_state)[0]
     for (path, x), want in zip(stored, jax.tree.leaves(logical), strict=True):
         shape = tuple(want.shape)
-        if shape and x.shape != shape and x.shape[1:] == shape[1:] and x.shape[0] > shape[0]:
+        if shape and x.shape != shape and len(x.shape) == len(shape) and all(
+                h >= w for h, w in zip(x.shape, shape, strict=True)):
             out[_keys((jax.tree_util.GetAttrKey("opt_state"), *path))] = shape
     return out
 

@@ -42,6 +42,17 @@ def bool_options(**options: Any) -> None:
             raise ValueError(f"{option}={value!r}: expected True or False")
 
 
+def fsdp_comm_dtype(shard_params: bool, comm_dtype: Any, compute_dtype: Any) -> None:
+    """Under FSDP the compiler reduces each layer's gradient where it is computed, in the
+    compute dtype: a different `comm_dtype` cannot be honoured."""
+    reduced = jnp.dtype(compute_dtype or jnp.float32)
+    if shard_params and comm_dtype is not None and jnp.dtype(comm_dtype) != reduced:
+        raise ValueError(
+            f"comm_dtype={comm_dtype!r} with shard_params=True: FSDP reduces each layer's "
+            f"gradient in the compute dtype ({reduced}); drop comm_dtype, or pass "
+            f"compute_dtype={jnp.dtype(comm_dtype).name} to compute and reduce in it")
+
+
 def trainable(params: Any) -> None:
     """The parameters the gradient is taken of: at least one leaf, every leaf floating."""
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_zero.is_sharded)[0]
@@ -113,7 +124,9 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
         return
     trainable(getattr(state, "params", None))
     fsdp = any(_zero.is_sharded(x) for _, x in leaves)
-    if shard_params != fsdp:
+    if fsdp and shard_params:
+        _same_groups(shard_params, _zero.params_group(getattr(state, "params", None)))
+    if bool(shard_params) != fsdp:
         raise ValueError("shard_params=True: the parameters are not sharded; place the state "
                          "with jdp.broadcast(state, shard_params=True)" if shard_params else
                          "the parameters are sharded (jdp.broadcast(state, shard_params=True)):"
@@ -135,7 +148,30 @@ def dtype_option(option: str, dtype: Any) -> None:
 
 
 def _row_sharded(x: jax.Array) -> bool:
-    return tuple(getattr(x.sharding, "spec", ()))[:1] == (_mesh.AXIS,)
+    """Split along `jdp.AXIS` on some axis (ZeRO: the leading one; FSDP: the parameter's), or
+    within groups of devices (HSDP)."""
+    spec = tuple(getattr(x.sharding, "spec", ()))
+    return _mesh.AXIS in spec or _mesh.SHARD in spec
+
+
+def _same_groups(shard_params: Any, have: int | None) -> None:
+    """The step's `shard_params` splits as the state was placed (all devices, or groups)."""
+    want = _zero.group_size(shard_params)
+    if want != have:
+        placed = f"groups of {have} devices" if have else "all devices"
+        raise ValueError(f"shard_params={shard_params!r}: the parameters are split over "
+                         f"{placed}; pass the same shard_params to jdp.broadcast and "
+                         "jdp.train_step")
+
+
+def shard_params_option(value: Any) -> None:
+    """`shard_params` is True/False, "node", or an int >= 2 (the group size, HSDP; groups of
+    one device would be replication: False)."""
+    ok = isinstance(value, bool) or value == "node" or (isinstance(value, int) and value > 1)
+    if not ok:
+        raise ValueError(f"shard_params={value!r}: expected True or False, \"node\", or an "
+                         "int >= 2 that divides the device count (HSDP: groups of that many "
+                         "consecutive devices)")
 
 
 def _on_mesh(x: jax.Array) -> bool:

@@ -12,8 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks
+from jdp.core import _checks, _mesh, _zero
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -123,3 +125,63 @@ def device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     metrics = {"loss": loss, **metrics, STOP: jnp.sum(stop).astype(jnp.float32)}
     metrics = lax.pmean(jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics), AXIS)
     return grads, field, new_ms, metrics
+
+
+def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync,
+                 mean, compute_dtype, group=None):
+    """FSDP's gradient at jit level: every device's loss under `jax.vmap` over `AXIS`.
+
+    The parameters enter the map unbatched and stay split as stored, so the compiler gathers
+    each where it is used: inside a scanned model's loop, one layer at a time (and again in the
+    backward pass, under remat). The gradient is taken of the devices' summed loss outside the
+    map, so the sum over devices is the transpose of each use's broadcast: reduced (and split
+    again) layer by layer, in `compute_dtype` (the parameters are cast before the map, so they
+    are gathered in it too). Collectives over `AXIS` in the loss work as under `shard_map`.
+    Returns (gradients, synced model state, metrics with the stop flag), all global.
+    """
+    n, k = _mesh.mesh().size, accum_steps
+    field = model_state_field(state)
+    ms = getattr(state, field) if field else None
+    ms = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), ms)
+    micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(n, k, -1, *x.shape[1:]), 0, 1), batch)
+    devices = AXIS
+    if group:  # HSDP: the devices as (groups, within a group), the batch split over both
+        devices = (_mesh.REPLICA, _mesh.SHARD)
+        split = NamedSharding(_mesh.group_mesh(group), P(None, devices))
+        micro = jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), micro)
+    use_rng = getattr(state, "rng", None) is not None
+
+    def device_loss(params, b, ms, i):
+        rng = _device_rng(state, i if k > 1 else None) if use_rng else None
+        loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
+        return loss, (loss, metrics, new_ms)
+
+    def total(params, b, ms, i):
+        params = _zero.cast(params, compute_dtype)
+        losses, aux = jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=AXIS,
+                               spmd_axis_name=devices)(params, b, ms, i)
+        return jnp.sum(losses) / (n if mean else 1), aux
+
+    def body(carry, i):
+        grad_sum, ms = carry
+        b = jax.tree.map(lambda x: x[i], micro)
+        grads, (loss, metrics, ms) = jax.grad(total, has_aux=True)(state.params, b, ms, i)
+        return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (grads, ms), (losses, metrics) = lax.scan(body, (zeros, ms), jnp.arange(k))
+    grads = jax.tree.map(lambda g: g / k, grads) if k > 1 else grads
+    metrics = {"loss": losses, **(metrics if isinstance(metrics, dict) else {"aux": metrics})}
+    metrics = jax.tree.map(lambda m: jnp.mean(jnp.asarray(m, jnp.float32)), metrics)
+    metrics[STOP] = jnp.sum(stop).astype(jnp.float32) / n
+    return grads, _merge_model_state(ms, model_state_sync), metrics
+
+
+def _merge_model_state(ms: Any, how: str | None) -> Any:
+    """The devices' model states `[n, ...]` as one: floating leaves averaged (`how="mean"`),
+    else device 0's (they agree by construction, e.g. BatchNorm with `axis_name=jdp.AXIS`)."""
+    def one(x):
+        if how == "mean" and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.mean(x, axis=0)
+        return x[0]
+    return jax.tree.map(one, ms)

@@ -61,3 +61,16 @@ def place_rows(rows: object) -> object:
     sharding = batch_sharded()
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), rows)
+
+
+REPLICA, SHARD = "jdp_replica", "jdp_shard"
+"""The axes of `group_mesh`: across the groups of devices (HSDP's replicas), and within one."""
+
+
+@functools.cache
+def group_mesh(k: int) -> Mesh:
+    """`mesh()`'s devices in groups of `k` consecutive ones (HSDP: a node's devices): axis
+    `SHARD` within a group, `REPLICA` across the groups. Same devices, same order as `mesh()`,
+    so a batch split along `AXIS` is split the same way over (`REPLICA`, `SHARD`)."""
+    return Mesh(mesh().devices.reshape(-1, k), (REPLICA, SHARD),
+                axis_types=(AxisType.Auto, AxisType.Auto))

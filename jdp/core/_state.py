@@ -46,7 +46,8 @@ class TrainState(train_state.TrainState):
                               model_state=model_state, **kwargs)
 
 
-def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = False) -> Any:
+def broadcast(tree: Any, *, shard_optimizer: bool = False,
+              shard_params: bool | int | str = False) -> Any:
     """Place `tree` on every device of every process as global arrays.
 
     Each array leaf becomes a `jax.Array` fully replicated on `jdp.mesh()`
@@ -61,9 +62,15 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False, shard_params: bool = 
             axis to a multiple of N; scalars replicated); it never exists whole on a device.
             Use it with `jdp.train_step(..., shard_optimizer=True)`.
         shard_params: FSDP / ZeRO-3: the parameters sharded too (and the optimizer state):
-            each parameter leaf with a leading axis becomes a `Sharded` node holding 1/N of its
-            padded rows per device. Use it with `jdp.train_step(..., shard_params=True)`;
-            `jdp.unshard(state)` gives the parameters back in the model's own shapes.
+            each parameter leaf with an axis becomes a `Sharded` node that reports the model's
+            shape and dtype and holds 1/N of it per device, split (padded) on one axis: not
+            the leading axis of a stacked leaf of 3 or more dimensions, so a scanned model is
+            gathered one layer at a time; its optimizer state is split the same way. Use it
+            with `jdp.train_step(..., shard_params=True)`; `jdp.unshard(state)` gives plain
+            replicated arrays in the model's own shapes. HSDP: an int k splits within groups
+            of k consecutive devices and replicates across the groups; "node" within each
+            node's devices (this process's devices x the processes per node, from
+            LOCAL_WORLD_SIZE, Open MPI or SLURM); the step takes the same value.
 
     Returns:
         The same structure with global `jax.Array` leaves.
@@ -94,9 +101,13 @@ def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
         option = "shard_params" if shard_params else "shard_optimizer"
         raise TypeError(f"jdp.broadcast({option}=True): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
-    placed = placed.replace(
-        opt_state=jax.tree.map(lambda x: _mesh.place(*_zero.sharded_host(x)), host.opt_state))
-    return placed.replace(params=_zero.shard_params_host(host.params)) if shard_params else placed
+    group = _zero.group_size(shard_params) if shard_params else None
+    placed = placed.replace(opt_state=jax.tree.map(
+        lambda x: _mesh.place(*_zero.sharded_host(x, bool(shard_params), group)),
+        host.opt_state))
+    if not shard_params:
+        return placed
+    return placed.replace(params=_zero.shard_params_host(host.params, group))
 
 
 def shard(rows: Any, *, layout: str = "global") -> Any:
@@ -180,9 +191,12 @@ def unshard(state: Any) -> Any:
     if opt_state is None or getattr(state, "tx", None) is None:
         return state
     logical = _zero.logical_opt_state(state)
-    if not _zero.is_stored(opt_state, logical):
-        return state
     params = state.params
-    if any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded)):
+    fsdp = any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded))
+    split = fsdp or any(not getattr(x, "sharding", _mesh.replicated()).is_fully_replicated
+                        for x in jax.tree.leaves(opt_state))
+    if not (split and _zero.is_stored(opt_state, logical, _zero.params_group(params))):
+        return state
+    if fsdp:
         params = jax.jit(_zero.logical, out_shardings=_mesh.replicated())(params)
     return state.replace(params=params, opt_state=_zero.gathered(opt_state, logical))

@@ -3,8 +3,10 @@
 `train_step` turns `loss_fn(params, batch)` into a step over all devices of all processes:
 inside `jax.shard_map` over `jdp.mesh()` each device takes the gradient on its slice of the
 batch and one all-reduce (`lax.pmean`, or `lax.psum`) combines them; the optimizer update then
-runs at jit level on the replicated (or, with ZeRO, sharded) state. The per-device functions
-here (`device_train_step`, `device_eval_step`) are also what `jdp.pmap` maps.
+runs at jit level on the replicated (or, with ZeRO, sharded) state. FSDP's step runs the
+devices' losses under `jax.vmap` instead, so the compiler places the parameters' gathers (one
+scanned layer at a time). The per-device functions here (`device_train_step`,
+`device_eval_step`) are also what `jdp.pmap` maps.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options)
 
 
 def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_optimizer,
-                       shard_params, compute_dtype, **options):
+                       shard_params, compute_dtype, cast_batch, **options):
     """The step at jit level: gradients per device inside `shard_map`, reduced there, then
     the optimizer update on global arrays outside it.
 
@@ -77,9 +79,14 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
     """
     mean, sharded = grad_reduce == "mean", shard_optimizer or shard_params
     master = _zero.logical_shapes(state.params)
+    if cast_batch:
+        batch = _zero.cast(batch, compute_dtype)
+    if shard_params:
+        return _fsdp_train_step(state, batch, stop, mean=mean, comm_dtype=comm_dtype,
+                                compute_dtype=compute_dtype, **options)
 
     def per_device(state, batch, stop):
-        params = _zero.gather_params(state.params, compute_dtype)
+        params = _zero.cast(state.params, compute_dtype)
         grads, _, new_ms, metrics = _grads.device_grads(
             state.replace(params=params), batch, stop, **options)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
@@ -87,14 +94,28 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
             return _zero.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
         return reduce_gradients(grads, mean=mean, comm_dtype=comm_dtype), new_ms, metrics
 
-    rest = jax.tree.map(lambda _: P(), state.replace(opt_state=None, params=None))
-    state_spec = rest.replace(params=_zero.param_specs(state.params))
+    state_spec = jax.tree.map(lambda _: P(), state.replace(opt_state=None))
     grads, new_ms, metrics = jax.shard_map(
         per_device, mesh=_mesh.mesh(), in_specs=(state_spec, P(AXIS), P(AXIS)),
         out_specs=(_zero.grad_specs(master) if sharded else P(), P(), P()))(
             state.replace(opt_state=None), batch, stop)
     state = _zero.apply(state, grads, comm_dtype) if sharded else state.apply_gradients(
         grads=grads)
+    field = _grads.model_state_field(state)
+    state = state.replace(**{field: new_ms}) if field else state
+    stop = metrics.pop(_grads.STOP)
+    return (state, metrics), stop
+
+
+def _fsdp_train_step(state, batch, stop, *, mean, comm_dtype, **options):
+    """FSDP's step, all at jit level: the devices' losses under `jax.vmap` over the stored
+    (split) parameters, so the compiler gathers each layer where it is used
+    (`_grads.mapped_grads`), then the update on the split state (`_zero.apply`)."""
+    params, group = _zero.logical(state.params), _zero.params_group(state.params)
+    grads, new_ms, metrics = _grads.mapped_grads(
+        state.replace(params=params), batch, stop, mean=mean, group=group, **options)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    state = _zero.apply(state, grads, comm_dtype)
     field = _grads.model_state_field(state)
     state = state.replace(**{field: new_ms}) if field else state
     stop = metrics.pop(_grads.STOP)
@@ -109,8 +130,8 @@ def place_stop(flag: bool) -> jax.Array:
 def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "mean",
                accum_steps: int = 1, model_state_sync: str | None = "mean",
                comm_dtype: Any = None, donate: bool = True, max_in_flight: int = 2,
-               shard_optimizer: bool = False, shard_params: bool = False,
-               compute_dtype: Any = None) -> Callable:
+               shard_optimizer: bool = False, shard_params: bool | int | str = False,
+               compute_dtype: Any = None, cast_batch: bool = True) -> Callable:
     """Make a data-parallel train step from a pure single-device loss.
 
     `step(state, batch)` runs `loss_fn` on every device's slice of `batch`, all-reduces the
@@ -149,14 +170,22 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
             shard_optimizer=True)`): gradients reduce-scattered, each device updates its 1/N
             of the optimiser state, the updates all-gathered.
         shard_params: FSDP / ZeRO-3 (state from `jdp.broadcast(state, shard_params=True)`):
-            parameters, gradients and optimizer state 1/N per device; each step all-gathers
-            the whole model for the forward and backward pass (the peak: one whole copy of the
-            parameters in `compute_dtype`, plus the activations) and reduce-scatters the
-            gradients.
+            parameters, gradients and optimizer state 1/N per device. The step runs the loss
+            under `jax.vmap` over the devices and lets the compiler gather each parameter
+            where it is used: a model whose layers are scanned (`lax.scan`, `nn.scan`,
+            `nnx.scan`, under remat) gathers one layer at a time, forward and backward, and
+            reduces that layer's gradient; an unrolled model is gathered whole. Gradients are
+            reduced in `compute_dtype` (a different `comm_dtype` is refused). HSDP: an int k
+            (or "node") splits within groups of k consecutive devices (a node's), replicated
+            across groups: gathers stay in a group, the gradient shards' reduction crosses.
         compute_dtype: the loss sees floating parameters cast to this dtype (e.g.
             `jnp.bfloat16`; under `shard_params` they are gathered in it, half the bytes);
             gradients come back in the parameters' own dtype and are reduced in it (or in
             `comm_dtype`) and applied to the float32 master parameters and optimizer state.
+        cast_batch: with `compute_dtype`, cast the batch's floating leaves to it too (as
+            PyTorch FSDP2's `cast_forward_inputs`), so a layer that promotes its inputs (flax's
+            `nn.Dense` with bf16 parameters and a float32 batch) computes in `compute_dtype`;
+            False passes the batch as it is.
 
     Returns:
         `step(state, batch) -> (state, metrics)`, metrics with "loss" (and the aux metrics),
@@ -177,11 +206,14 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
     _checks.dtype_option("compute_dtype", compute_dtype)
     _checks.bool_options(has_aux=has_aux, donate=donate, shard_optimizer=shard_optimizer,
-                         shard_params=shard_params)
+                         cast_batch=cast_batch)
+    _checks.shard_params_option(shard_params)
+    _checks.fsdp_comm_dtype(shard_params, comm_dtype, compute_dtype)
     body = functools.partial(
         _global_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype,
-        shard_optimizer=shard_optimizer, shard_params=shard_params, compute_dtype=compute_dtype)
+        shard_optimizer=shard_optimizer, shard_params=shard_params, compute_dtype=compute_dtype,
+        cast_batch=cast_batch)
 
     def check(state, batch):
         require_job("jdp.train_step")

@@ -1,9 +1,10 @@
 """Sharded storage over the data axis: the optimizer state (ZeRO-1/2), and the parameters too
 (FSDP / ZeRO-3): how the state is stored and updated.
 
-Stored form: every optimiser-state leaf with a leading axis is padded on that axis to a multiple
-of the device count N and sharded along `jdp.AXIS` (device i holds rows i*k..(i+1)*k); scalars
-(Adam's `count`) stay replicated. The logical form (what optax sees) is the unpadded leaf.
+Stored form: every optimiser-state leaf with an axis is padded on one axis to a multiple of the
+device count N and sharded along `jdp.AXIS` there (ZeRO: the leading axis, device i holding rows
+i*k..(i+1)*k; FSDP: its parameter's axis); scalars (Adam's `count`) stay replicated. The logical
+form (what optax sees) is the unpadded leaf.
 
 The step reduce-scatters the gradients (`lax.psum_scatter`, each device receives the sum of its
 1/N slice), then runs the optimiser *outside* the per-device code, on logical global arrays whose
@@ -13,15 +14,19 @@ on `count`) exactly as unsharded optax would. The updates are all-gathered (in `
 given) and added to the replicated parameters. Gradients are never whole after the reduction, so
 this is ZeRO-2's gradient sharding too.
 
-With the parameters sharded as well (`shard_params`), each parameter leaf is a `Sharded` node:
-its rows padded and split along `jdp.AXIS` like an optimizer-state leaf, with its logical row
-count kept in the tree's structure. Inside the step each device all-gathers the whole model
-(in the compute dtype), takes its gradient and reduce-scatters it; the update runs on the
-logical arrays as above and the parameters are stored again, never whole outside the step.
+With the parameters sharded as well (`shard_params`), each parameter leaf is a `Sharded` node
+that reports the model's shape and dtype: its value is padded on one axis (`shard_axis`: never
+the leading axis of a leaf of 3 or more dimensions, which may be a stack of scanned layers) and
+split along `jdp.AXIS` there, and its optimizer-state leaves are stored the same way. The step
+(`jdp/core/_grads.py`'s `mapped_grads`) leaves the gathers to the compiler, so a scanned model
+gathers one layer at a time; the update runs on the logical arrays as above and the parameters
+are stored again, never whole outside the step. HSDP (`shard_params=k` or "node") stores the
+same way within groups of k consecutive devices (`_mesh.group_mesh`), replicated across them.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -36,18 +41,80 @@ from jdp.core._mesh import AXIS
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
-    """A parameter stored 1/N per device: `value` has its rows padded to a multiple of the device
-    count and split along `jdp.AXIS`; `rows` is the parameter's own row count."""
+    """A parameter stored 1/N per device: `value` is padded on `axis` to a multiple of the device
+    count and split along `jdp.AXIS` there; `shape`, `dtype`, `ndim` and `size` are the
+    parameter's own (the model's), like a PyTorch FSDP2 DTensor's."""
 
     value: Any
-    rows: int
+    shape: tuple[int, ...]
+    axis: int
+    group: int | None = None   # HSDP: split within groups of this many devices; None: all
+
+    @property
+    def dtype(self) -> Any:
+        return self.value.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
 
 
-jax.tree_util.register_dataclass(Sharded, data_fields=["value"], meta_fields=["rows"])
+jax.tree_util.register_dataclass(Sharded, data_fields=["value"],
+                                 meta_fields=["shape", "axis", "group"])
+
+
+def group_size(shard_params: Any) -> int | None:
+    """The devices one parameter is split over for a `shard_params` value: None for all of
+    them (True), `k` for groups of k consecutive devices, a node's devices for "node"
+    (this process's devices x the processes per node); refused otherwise."""
+    n = _mesh.mesh().size
+    k = shard_params
+    if shard_params == "node":
+        k = jax.local_device_count() * _processes_per_node()
+    if k is True:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2 or n % k:
+        raise ValueError(f"shard_params={shard_params!r}: expected True (all {n} devices), "
+                         f"\"node\", or an int >= 2 that divides the device count {n} (HSDP: "
+                         "groups of that many consecutive devices)")
+    return None if k == n else k
+
+
+def shard_axis(shape: tuple[int, ...]) -> int | None:
+    """The axis FSDP splits a leaf of `shape` on: None for a scalar; for 3 or more dimensions
+    the largest axis after the first (the first may stack scanned layers, and a layer split
+    across its own rows lets the compiler gather it alone inside the loop); else the larger."""
+    if not shape:
+        return None
+    if len(shape) >= 3:
+        return 1 + int(np.argmax(shape[1:]))
+    return 1 if len(shape) == 2 and shape[1] >= shape[0] else 0
+
+
+def opt_axis(shape: tuple[int, ...], fsdp: bool) -> int | None:
+    """The axis an optimizer-state leaf is stored split on: its parameter's under FSDP (the
+    update then needs no reshuffle), the leading axis under ZeRO; None for a scalar."""
+    if not shape:
+        return None
+    return shard_axis(shape) if fsdp else 0
 
 
 def is_sharded(x: Any) -> bool:
     return isinstance(x, Sharded)
+
+
+def _processes_per_node() -> int:
+    """This node's process count, as the launcher (torchrun's LOCAL_WORLD_SIZE), Open MPI or
+    SLURM (`SLURM_TASKS_PER_NODE`, e.g. "4(x2)") says; 1 when none does."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_TASKS_PER_NODE"):
+        value = os.environ.get(name, "").split("(")[0].split(",")[0]
+        if value.isdigit():
+            return int(value)
+    return 1
 
 
 def padded_rows(rows: int, n: int) -> int:
@@ -55,37 +122,67 @@ def padded_rows(rows: int, n: int) -> int:
     return -(-rows // n) * n
 
 
-def _pad(x: Any, n: int) -> Any:
-    """`x` padded with zeros on its leading axis to a multiple of `n` (numpy or jax)."""
-    extra = padded_rows(x.shape[0], n) - x.shape[0]
+def _pad(x: Any, n: int, axis: int = 0) -> Any:
+    """`x` padded with zeros on `axis` to a multiple of `n` (numpy or jax)."""
+    extra = padded_rows(x.shape[axis], n) - x.shape[axis]
     if not extra:
         return x
     lib = np if isinstance(x, np.ndarray) else jnp
-    return lib.concatenate([x, lib.zeros((extra, *x.shape[1:]), x.dtype)])
+    return lib.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
 
 
-def sharded_host(value: np.ndarray) -> tuple[np.ndarray, Any]:
+def split_on(axis: int | None, group: int | None = None) -> Any:
+    """The sharding of a leaf split on `axis` along `jdp.AXIS`, or within groups of `group`
+    devices and replicated across them (HSDP); None: replicated."""
+    P = jax.sharding.PartitionSpec
+    if axis is None:
+        return _mesh.replicated()
+    if group is None:
+        return jax.sharding.NamedSharding(_mesh.mesh(), P(*[None] * axis, AXIS))
+    return jax.sharding.NamedSharding(_mesh.group_mesh(group), P(*[None] * axis, _mesh.SHARD))
+
+
+def _ways(group: int | None) -> int:
+    return group or _mesh.mesh().size
+
+
+def sharded_host(value: np.ndarray, fsdp: bool = False,
+                 group: int | None = None) -> tuple[np.ndarray, Any]:
     """(stored host value, sharding) of one optimiser-state leaf."""
     value = np.asarray(value)
-    if value.ndim == 0:
+    axis = opt_axis(value.shape, fsdp)
+    if axis is None:
         return value, _mesh.replicated()
-    return _pad(value, _mesh.mesh().size), _mesh.batch_sharded()
+    return _pad(value, _ways(group), axis), split_on(axis, group)
 
 
-def is_stored(opt_state: Any, logical: Any) -> bool:
-    """Does `opt_state` have the stored (padded, sharded) form of `logical` shapes?"""
-    n = _mesh.mesh().size
-    want = jax.tree.map(lambda s: s.shape if not s.shape else
-                        (padded_rows(s.shape[0], n), *s.shape[1:]), logical)
+def _padded_shape(shape: tuple[int, ...], axis: int | None, n: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(shape)
+    return tuple(padded_rows(d, n) if a == axis else d for a, d in enumerate(shape))
+
+
+def is_stored(opt_state: Any, logical: Any, group: int | None = None) -> bool:
+    """Does `opt_state` have a stored (padded, sharded: ZeRO's or FSDP's) form of `logical`?"""
+    n = _ways(group)
     have = jax.tree.map(lambda x: tuple(x.shape), opt_state)
-    return jax.tree.structure(want) == jax.tree.structure(have) and jax.tree.leaves(
-        want) == jax.tree.leaves(have)
+    for fsdp in (False, True):
+        want = jax.tree.map(lambda s, f=fsdp: _padded_shape(s.shape, opt_axis(s.shape, f), n),
+                            logical)
+        if jax.tree.structure(want) == jax.tree.structure(have) and jax.tree.leaves(
+                want) == jax.tree.leaves(have):
+            return True
+    return False
+
+
+def _unpad(x: Any, like: Any) -> Any:
+    """The logical part of a stored leaf: its first `like.shape` elements on every axis."""
+    return x[tuple(slice(0, d) for d in like.shape)] if like.shape else x
 
 
 def gathered(opt_state: Any, logical: Any) -> Any:
     """The stored optimizer state as its logical leaves, whole and replicated on every device."""
-    unpad = lambda x, like: x[:like.shape[0]] if like.shape else x  # noqa: E731
-    return jax.jit(lambda stored: jax.tree.map(unpad, stored, logical),
+    return jax.jit(lambda stored: jax.tree.map(_unpad, stored, logical),
                    out_shardings=_mesh.replicated())(opt_state)
 
 
@@ -113,16 +210,19 @@ def grad_specs(grads: Any) -> Any:
 def apply(state: Any, grad_rows: Any, comm_dtype: Any) -> Any:
     """`state.apply_gradients` with the optimiser state and gradients sharded (jit context).
 
-    `grad_rows` are padded global arrays sharded along the rows; the result's optimiser state
-    is stored again (padded, sharded), and its parameters replicated, or stored again too when
-    they are `Sharded`.
+    `grad_rows` are global arrays sharded along the rows (ZeRO: padded) or as the parameters
+    (FSDP); the result's optimiser state is stored again (padded, sharded), and its parameters
+    replicated, or stored again too when they are `Sharded`.
     """
+    sharded = any(is_sharded(x) for x in jax.tree.leaves(state.params, is_leaf=is_sharded))
+    group = params_group(state.params)
     params = logical(state.params)
-    grads = jax.tree.map(_unpad_like, grad_rows, params)
+    grads = jax.tree.map(lambda g, p: _unpad_like(g, p, sharded, group), grad_rows, params)
     logical_opt = jax.eval_shape(state.tx.init, params)
-    opt_state = jax.tree.map(_unpad_like, state.opt_state, logical_opt)
+    opt_state = jax.tree.map(lambda x, like: _unpad_like(x, like, sharded, group),
+                             state.opt_state, logical_opt)
     updates, opt_state = state.tx.update(grads, opt_state, params)
-    opt_state = jax.tree.map(_store, opt_state)
+    opt_state = jax.tree.map(lambda x: _store(x, opt_axis(x.shape, sharded), group), opt_state)
     replicated = _mesh.replicated()
 
     def gather(u):  # the all-gather: every device gets all updated rows
@@ -130,9 +230,10 @@ def apply(state: Any, grad_rows: Any, comm_dtype: Any) -> Any:
         return lax.with_sharding_constraint(sent, replicated).astype(u.dtype)
 
     def restore(old, new):  # a Sharded parameter is stored again; the rest replicated
-        return Sharded(_store(new), old.rows) if is_sharded(old) else new
+        if not is_sharded(old):
+            return new
+        return Sharded(_store(new, old.axis, old.group), old.shape, old.axis, old.group)
 
-    sharded = any(is_sharded(x) for x in jax.tree.leaves(state.params, is_leaf=is_sharded))
     if sharded:
         new = optax.apply_updates(params, updates)
         params = jax.tree.map(restore, state.params, new, is_leaf=is_sharded)
@@ -141,47 +242,53 @@ def apply(state: Any, grad_rows: Any, comm_dtype: Any) -> Any:
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
 
-def _rows_of(x: jax.Array, rows: int) -> jax.Array:
-    """The first `rows` rows of a stored leaf, kept sharded by rows."""
-    return lax.with_sharding_constraint(x[:rows], _mesh.batch_sharded())
+def _logical_of(x: jax.Array, like: Any, axis: int | None, group: int | None) -> jax.Array:
+    """The logical part of a stored leaf, kept split on `axis`."""
+    if not like.shape:
+        return x
+    return lax.with_sharding_constraint(_unpad(x, like), split_on(axis, group))
 
 
-def _unpad_like(x: jax.Array, like: Any) -> jax.Array:
-    """The first `like.shape[0]` rows of `x` (the logical leaf), kept sharded by rows."""
-    return _rows_of(x, like.shape[0]) if like.shape else x
+def _unpad_like(x: jax.Array, like: Any, fsdp: bool = False, group: int | None = None):
+    """The logical leaf (`like`'s shape) of a stored one, kept split as stored."""
+    return _logical_of(x, like, opt_axis(like.shape, fsdp), group)
 
 
-def _store(x: jax.Array) -> jax.Array:
-    """A logical optimiser-state leaf in its stored form: padded, sharded along the rows."""
-    if not x.shape:
+def _store(x: jax.Array, axis: int | None, group: int | None = None) -> jax.Array:
+    """A logical leaf in its stored form: padded and split on `axis` (None: replicated)."""
+    if axis is None:
         return lax.with_sharding_constraint(x, _mesh.replicated())
-    return lax.with_sharding_constraint(_pad(x, _mesh.mesh().size), _mesh.batch_sharded())
+    return lax.with_sharding_constraint(_pad(x, _ways(group), axis), split_on(axis, group))
 
 
-def shard_params_host(params: Any) -> Any:
-    """Host parameters in their stored form: `Sharded` global arrays (scalars replicated)."""
+def shard_params_host(params: Any, group: int | None = None) -> Any:
+    """Host parameters in their stored form: `Sharded` global arrays (scalars replicated),
+    split over all devices or within groups of `group` (HSDP)."""
     def one(x):
         x = np.asarray(x)
-        placed = _mesh.place(*sharded_host(x))
-        return Sharded(placed, x.shape[0]) if x.ndim else placed
+        placed = _mesh.place(*sharded_host(x, fsdp=True, group=group))
+        return Sharded(placed, x.shape, shard_axis(x.shape), group) if x.ndim else placed
 
     return jax.tree.map(one, params)
 
 
+def params_group(params: Any) -> int | None:
+    """The group size the `Sharded` parameters are split within (None: all devices)."""
+    return next((x.group for x in jax.tree.leaves(params, is_leaf=is_sharded)
+                 if is_sharded(x)), None)
+
+
 def logical(params: Any) -> Any:
     """Parameters in the model's own shapes (jit context): `Sharded` leaves unpadded, kept
-    split by rows; other leaves as they are."""
-    return jax.tree.map(lambda x: _rows_of(x.value, x.rows) if is_sharded(x) else x, params,
-                        is_leaf=is_sharded)
+    split as stored; other leaves as they are."""
+    return jax.tree.map(lambda x: _logical_of(x.value, x, x.axis, x.group) if is_sharded(x)
+                        else x, params, is_leaf=is_sharded)
 
 
 def logical_shapes(params: Any) -> Any:
     """`jax.ShapeDtypeStruct`s of the parameters in the model's own shapes."""
-    def one(x):
-        if is_sharded(x):
-            return jax.ShapeDtypeStruct((x.rows, *x.value.shape[1:]), x.value.dtype)
-        return jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
-    return jax.tree.map(one, params, is_leaf=is_sharded)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape if is_sharded(x) else jnp.shape(x), x.dtype), params, is_leaf=is_sharded)
 
 
 def logical_opt_state(state: Any) -> Any:
@@ -190,23 +297,10 @@ def logical_opt_state(state: Any) -> Any:
     return jax.eval_shape(state.tx.init, logical_shapes(state.params))
 
 
-def gather_params(params: Any, compute_dtype: Any) -> Any:
-    """Inside shard_map: every device's copy of the whole model, in its own shapes, cast to
-    `compute_dtype` before the all-gather (half the bytes for bfloat16)."""
-    def one(x):
-        if not is_sharded(x):
-            return _cast(x, compute_dtype)
-        whole = lax.all_gather(_cast(x.value, compute_dtype), AXIS, axis=0, tiled=True)
-        return whole[:x.rows]
-    return jax.tree.map(one, params, is_leaf=is_sharded)
+def cast(tree: Any, dtype: Any) -> Any:
+    """The floating leaves of `tree` in `dtype` (None: as they are)."""
+    return jax.tree.map(lambda x: _cast(x, dtype), tree)
 
 
 def _cast(x: Any, dtype: Any) -> Any:
     return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
-
-
-def param_specs(params: Any) -> Any:
-    """shard_map specs of stored parameters: `Sharded` values split by rows, the rest whole."""
-    P = jax.sharding.PartitionSpec
-    return jax.tree.map(lambda x: Sharded(P(AXIS), x.rows) if is_sharded(x) else P(), params,
-                        is_leaf=is_sharded)

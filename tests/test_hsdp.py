@@ -1,0 +1,153 @@
+"""HSDP (`shard_params=k`): parameters split within groups of k consecutive devices and
+replicated across the groups; per-layer gathers inside a group, one reduction of the gradient
+shards across the groups; training exactly as single-device optax."""
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import free_port, job_env, one_line_error, start_launcher, write_script
+from test_fsdp_layers import assert_tree_close, batches, mse_loss, scanned, single_device, stacked
+
+import jdp
+from benchmarks import hlo
+
+N, K, L, D = 8, 4, 4, 64
+TX = optax.sgd(0.05, momentum=0.9)
+
+
+def hsdp_state(k=K):
+    return jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(L, D), tx=TX),
+                         shard_params=k)
+
+
+def large_collectives(text: str, min_bytes: int = 1024) -> list[tuple[str, list]]:
+    """(kind, device groups) of every all-gather, reduce-scatter and all-reduce whose result
+    is over `min_bytes` (the metrics' scalars and the stop flag are left out)."""
+    return [(kind, groups) for kind, size, groups, _ in hlo.grouped(text) if size > min_bytes]
+
+
+def test_groups_of_4_on_8_devices_train_exactly_and_hold_a_quarter_of_the_model():
+    state, data = hsdp_state(), batches(N * 4, D)
+    step = jdp.train_step(mse_loss(scanned), shard_params=K)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    assert_tree_close(jdp.unshard(state).params,
+                      single_device(mse_loss(scanned), stacked(L, D), TX, data))
+    assert state.params["w"].shape == (L, D, D)
+    for x in jax.tree.leaves((state.params, state.opt_state)):
+        assert x.addressable_shards[0].data.size * K == x.size, x.shape   # 1/4 per device
+
+
+def test_gathers_stay_in_a_group_and_only_the_shards_reduction_crosses_groups():
+    state, b = hsdp_state(), jdp.shard(batches(N * 4, D)[0])
+    text = jdp.train_step(mse_loss(scanned), shard_params=K).lower(state, b).compile().as_text()
+    within, across = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
+    found = large_collectives(text)
+    assert any(kind == "all-gather" for kind, _ in found), found
+    for kind, groups in found:
+        assert groups == (across if kind == "all-reduce" and groups == across else within), (
+            kind, groups)
+    assert ("all-reduce", across) in found            # the gradient shards, across the groups
+
+
+def test_the_step_and_the_state_must_agree_on_the_groups():
+    batch = jdp.shard(batches(N, D)[0])
+    one_line_error(ValueError, ["shard_params=2", "groups of 4 devices", "the same shard_params"],
+                   jdp.train_step(mse_loss(scanned), shard_params=2), hsdp_state(), batch)
+    one_line_error(ValueError, ["shard_params=3", "divides the device count 8"],
+                   jdp.broadcast, jdp.TrainState.create(apply_fn=None, params=stacked(L, D),
+                                                        tx=TX), shard_params=3)
+    one_line_error(ValueError, ["shard_params='rack'", "\"node\""], jdp.train_step,
+                   mse_loss(scanned), shard_params="rack")
+
+
+def test_a_checkpoint_saved_under_hsdp_restores_under_fsdp_replicated_and_back(tmp_path):
+    """Stacked width 20 (4 divides it, 8 does not: FSDP pads it to 24, HSDP does not)."""
+    params0, data = stacked(L, 20), batches(N * 2, 20)
+    step = jdp.train_step(mse_loss(scanned), shard_params=K)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params0, tx=TX),
+                          shard_params=K)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    want = jax.device_get(jdp.unshard(state))
+    template = jdp.TrainState.create(apply_fn=None, params=params0, tx=TX)
+    for i, placing in enumerate((True, False, K)):
+        ckpt = jdp.checkpoint.Checkpointer(tmp_path / str(i))
+        ckpt.save(i + 1, state)
+        ckpt.close()
+        ckpt = jdp.checkpoint.Checkpointer(tmp_path / str(i))
+        state = ckpt.restore(jdp.broadcast(template, shard_params=placing))
+        ckpt.close()
+        got = jax.device_get(jdp.unshard(state))
+        for g, w in zip(jax.tree.leaves((got.params, got.opt_state)),
+                        jax.tree.leaves((want.params, want.opt_state)), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert state.params["w"].group == K and state.params["w"].value.shape == (L, 20, 20)
+
+
+NODES = """
+import sys, json, jax, jax.numpy as jnp, numpy as np, optax, jdp
+from jax import lax
+jdp.initialize()
+out = sys.argv[1]
+exec(open(sys.argv[2]).read())               # the shared model and data: stacked, scanned, ...
+loss = lambda p, b: jnp.mean((scanned(p, b["x"]) - b["y"]) ** 2)
+tx = optax.sgd(0.05, momentum=0.9)
+state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(4, 64), tx=tx),
+                      shard_params="node")
+step = jdp.train_step(loss, shard_params="node")
+per = 32 // jax.process_count()
+mine = slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+data = batches(32, 64)
+text = step.lower(state, jdp.shard({k: v[mine] for k, v in data[0].items()})).compile().as_text()
+for b in data:
+    state, _ = step(state, jdp.shard({k: v[mine] for k, v in b.items()}))
+full = jdp.unshard(state)
+np.savez(f"{out}/rank{jax.process_index()}.npz", **{k: np.asarray(v) for k, v in
+                                                    full.params.items()})
+if jax.process_index() == 0:
+    open(f"{out}/step.hlo", "w").write(text)
+    open(f"{out}/group.json", "w").write(json.dumps(state.params["w"].group))
+"""
+
+
+@pytest.mark.parametrize("processes, devices", [(1, 4), (2, 2)])
+def test_shard_params_node_on_two_nodes_of_four_devices(tmp_path, tag, processes, devices):
+    """Two launchers on this machine play two nodes of 4 devices (1 process x 4, or 2 x 2):
+    "node" splits within each node's devices; only the gradient shards' reduction crosses."""
+    import test_fsdp_layers
+    script = write_script(tmp_path, "nodes.py", NODES)
+    common = write_script(tmp_path, "common.py", test_fsdp_layers.COMMON)
+    port = free_port()
+    nodes = [start_launcher(["--nnodes", 2, "--node_rank", node, "--nproc_per_node", processes,
+                             "--devices_per_process", devices, "--master_port", port, script,
+                             tmp_path, common], job_env(tag)) for node in (1, 0)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    data = batches(32, 64)
+    want = single_device(mse_loss(scanned), stacked(4, 64), TX, data)
+    for rank in range(2 * processes):
+        assert_tree_close(dict(np.load(tmp_path / f"rank{rank}.npz")), want)
+    assert (tmp_path / "group.json").read_text() == "4"
+    found = large_collectives((tmp_path / "step.hlo").read_text())
+    within, across = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert ("all-reduce", across) in found and any(k == "all-gather" for k, _ in found)
+    assert all(g in (within, across) for _, g in found), found
+    assert all(g == within for k, g in found if k == "all-gather"), found
+
+
+def test_accumulation_clipped_adam_and_eval_step_under_hsdp():
+    import jax.numpy as jnp
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    data, loss = batches(N * 4, D), mse_loss(scanned)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(L, D), tx=tx),
+                          shard_params=K)
+    step = jdp.train_step(loss, shard_params=K, accum_steps=2)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    want = single_device(loss, stacked(L, D), tx, data)
+    assert_tree_close(jdp.unshard(state).params, want)
+    totals = jdp.eval_step(lambda s, b: {"sq": jnp.mean((scanned(s.params, b["x"]) - b["y"]) ** 2,
+                                                        axis=1)})(state, jdp.shard(data[0]))
+    np.testing.assert_allclose(float(totals["sq"]) / float(totals["count"]),
+                               float(loss(want, data[0])), rtol=1e-5)
