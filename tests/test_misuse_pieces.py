@@ -54,7 +54,7 @@ def fsdp_checkpoint():
     template = jdp.broadcast(state.replace(params={"w": np.zeros((2, 1))}), shard_params=True)
     back = ckpt.restore(template.params)["w"]
     whole = multihost_utils.process_allgather(back.value, tiled=True)   # every row, here
-    return np.asarray(whole)[:back.rows].ravel().tolist()
+    return np.asarray(whole)[tuple(slice(0, n) for n in back.shape)].ravel().tolist()
 
 
 def dropout_key():
