@@ -25,7 +25,7 @@ from jdp.core import (
     train_step,
     unshard,
 )
-from jdp.data import DistributedSampler, Loader
+from jdp.data import DistributedSampler, Loader, evaluate
 from jdp.distributed import (
     barrier,
     broadcast_from_primary,
@@ -57,6 +57,7 @@ __all__ = [
     "checkpoint",
     "data",
     "eval_step",
+    "evaluate",
     "get_logger",
     "initialize",
     "launch",

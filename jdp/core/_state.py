@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _mesh, _zero
+from jdp.core import _inflight, _mesh, _zero
 from jdp.distributed import _group
 
 
@@ -116,7 +116,12 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
     if layout != "global":
         raise ValueError(f"jdp.shard: layout={layout!r}; expected 'global' (default) or 'pmap'")
     _group.require_job("jdp.shard")
-    return _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
+    batch = _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
+    _SHARDED.handed(batch, count=False)   # the user's own step: seen and bounded in flight
+    return batch
+
+
+_SHARDED = _inflight.Window()   # jdp.shard's recent batches (one per field when called per field)
 
 
 def divisible_rows(rows: Any, who: str) -> Any:

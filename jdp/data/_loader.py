@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jdp import pmap
-from jdp.core import _mesh
+from jdp.core import _inflight, _mesh
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
 from jdp.distributed import _group
@@ -120,6 +120,7 @@ class Loader:
         self._agreed = False
         self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
+        self._window = _inflight.Window()   # the user's own step: seen and bounded
 
     def __len__(self) -> int:
         """Batches per epoch on this process (fewer in an epoch resumed on another world size)."""
@@ -183,6 +184,7 @@ class Loader:
                     break
                 self._inside_epoch()
                 self._step += 1
+                self._window.handed(batch, count=True)
                 yield batch
         self._active = None  # finished: _move must not close this (running) generator
         self._move(self._epoch + 1, 0)
