@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.core import _checks
+from jdp.core import _checks, _rng
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -42,6 +42,7 @@ def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
     it got one: `loss`, `(loss, aux)`, `(loss, new_ms)` or `(loss, (aux, new_ms))`.
     """
     args = (params, batch) if model_state is None else (params, batch, model_state)
+    _rng.check_loss_rng(loss_fn, rng is not None)
     out = loss_fn(*args, rng=rng) if rng is not None else loss_fn(*args)
     loss, metrics, new_model_state = _checks.loss_output(out, has_aux, model_state is not None)
     _checks.scalar_loss(loss)
