@@ -73,3 +73,18 @@ def test_a_loader_that_would_miss_examples_is_refused_naming_the_fix():
 def test_per_example_values_of_the_wrong_shape_name_the_expected_shape():
     with pytest.raises(ValueError, match="per-example"):
         jdp.evaluate(lambda state, b: {"s": jnp.sum(b["x"])}, jdp.broadcast({"w": W}), split(16))
+
+
+def test_the_readme_own_step_block_is_sgd_over_the_next_epoch_and_evaluates_exactly():
+    from test_readme import block, run, sgd_mse
+    ns = run(block("import jax.numpy as jnp, numpy as np, optax"), {})
+    w = np.asarray(ns["state"].params["w"], np.float64)
+    ns = run(block("import jax\n\n@jax.jit"), ns)
+    x, y = (ns["source"][k].astype(np.float64) for k in ("x", "y"))
+    order = np.random.default_rng(3).permutation(len(x))   # epoch 3 of the sampler, seed 0
+    for i in range(0, len(x), 128):
+        w = sgd_mse(w, x[order[i:i + 128]], y[order[i:i + 128]])
+    np.testing.assert_allclose(np.asarray(ns["state"].params["w"]), w, rtol=1e-5, atol=1e-7)
+    sq = (ns["source"]["x"] @ np.asarray(ns["state"].params["w"]) - ns["source"]["y"]) ** 2
+    assert ns["results"]["count"] == 1024
+    assert ns["results"]["sq_err"] == pytest.approx(float(sq.mean()), rel=1e-5)

@@ -38,7 +38,7 @@ def test_seed_with_a_loss_without_rng_names_the_rng_parameter_and_seed(form):
 
 @pytest.mark.parametrize("form", ["global", "pmap"])
 def test_a_loss_taking_rng_without_seed_names_seed(form):
-    with pytest.raises(TypeError, match=r"rng_loss\(params, batch, rng\) takes `rng`.*"
+    with pytest.raises(TypeError, match=r"rng_loss\(params, batch, rng\) takes rng.*"
                                         r"TrainState.create\(\.\.\., seed=0\)"):
         run(form, rng_loss, state(seed=None))
 

@@ -28,7 +28,7 @@ def check_loss_rng(loss_fn: Callable, has_rng: bool) -> None:
             "or create the state without seed= if the loss needs no randomness")
     if not has_rng and rng is not None and rng.default is rng.empty:
         raise TypeError(
-            f"jdp.train_step: {name}{inspect.signature(loss_fn)} takes `rng`, but the state "
+            f"jdp.train_step: {name}{inspect.signature(loss_fn)} takes rng, but the state "
             "has no rng to derive it from: create the state with "
             "jdp.TrainState.create(..., seed=0) (the loss then gets a key per device and step "
             "as rng=), or give the loss's rng a default")
