@@ -5,7 +5,8 @@ epoch): flax's linen MNIST example as ported in examples/flax_mnist/train.py (it
 `apply_model` + `update_model` jitted functions on `jdp.shard` batches) and the seed CNN of
 examples/mnist.py (BatchNorm; its own step written around the example's `loss_fn`). Each is run
 three ways, each in a process of its own: its own step on 1 device, its own step on 8
-devices, and `jdp.train_step` on 8 devices (one process each). The first epoch (compilation) is not timed; the median of the others is printed.
+devices, and `jdp.train_step` on 8 devices. The first epoch (compilation) is not timed; the
+median of the others is printed.
 
     python -m benchmarks.own_step [--epochs 4]
 """

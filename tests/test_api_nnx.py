@@ -10,8 +10,6 @@ import optax
 import pytest
 from test_readme import run, text
 
-import jdp
-
 nnx = pytest.importorskip("flax.nnx")
 PAGE = "docs/api.md"
 SECTION = "### Keep your own step: flax NNX as its tutorials write it"

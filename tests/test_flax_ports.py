@@ -32,7 +32,7 @@ LINEN_DATA = re.compile(r"^def get_datasets\(\):\n(?:(?:  .*)?\n)*?(?=\n\ndef )"
 NNX_DATA_END = "from flax import nnx  # The Flax NNX API.\n"
 LINEN_ENV = {"MNIST_TRAIN_EXAMPLES": "1536"}
 LINEN_ARGS = ["--num_epochs", "2"]
-NNX_ENV = {"MNIST_TRAIN_STEPS": "60", "MNIST_EVAL_EVERY": "59"}
+NNX_ENV = {"MNIST_TRAIN_STEPS": "120", "MNIST_EVAL_EVERY": "119"}
 
 
 def read(*parts):
@@ -89,7 +89,8 @@ def linen_accuracy(stdout: str) -> float:
 def test_linen_port_trains_on_8_devices_and_2_processes_as_the_original_on_one(tmp_path, tag):
     original = read(UPSTREAM, "train.py").replace(
         "from flax.metrics import tensorboard\n",
-        "from mnist_data import numpy_splits, tensorboard  # offline data; flax's writer needs TF\n")
+        "from mnist_data import numpy_splits, tensorboard"
+        "  # offline data; flax's writer needs TF\n")
     original = LINEN_DATA.sub("def get_datasets():\n  return numpy_splits()\n", original)
     (tmp_path / "train.py").write_text(original)
     main = os.path.join(HERE, "main.py")

@@ -34,7 +34,7 @@ def reference(batches, tx, params):
     """Single-device optax on each whole global batch."""
     opt_state = tx.init(params)
     for b in batches:
-        grads = jax.grad(lambda p: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2))(params)
+        grads = jax.grad(lambda p, b=b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     return params
