@@ -6,8 +6,8 @@
 #   python -m jdp.launch --nproc_per_node 2 examples/flax_mnist/mnist_tutorial.py
 #
 # Data loading (section 2) is not the tutorial's: it reads the offline MNIST digits of
-# mnist_data.py instead of Hugging Face `datasets`, through jdp's Loader (each process reads
-# its share of every batch of `batch_size`; the batches are global arrays on jdp.mesh()).
+# mnist_data.py instead of Hugging Face `datasets`, in the tutorial's batches, each placed by
+# `jdp.shard` as one global array on jdp.mesh() (every process places its own block of rows).
 import os
 
 if __name__ == "__main__":  # simulated CPU devices, set before jax starts; GPUs ignore it
@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jdp
-from mnist_data import numpy_splits
+from mnist_data import numpy_batches, numpy_splits
 
 train_steps = int(os.environ.get("MNIST_TRAIN_STEPS", 120))  # one pass: 125 batches of 32
 eval_every = int(os.environ.get("MNIST_EVAL_EVERY", 40))
@@ -27,8 +27,11 @@ batch_size = 32
 train_ds, test_ds = numpy_splits()
 
 def make_batches(ds, batch_size):
-  """Global batches of `batch_size`: this process reads batch_size / processes of each."""
-  return jdp.data.Loader(ds, batch_size // jax.process_count(), drop_last=True)
+  """The tutorial's batches as global arrays: each process places its block of rows."""
+  share = batch_size // jax.process_count()
+  mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+  for batch in numpy_batches(ds, batch_size):
+    yield jdp.shard({k: v[mine] for k, v in batch.items()})
 # -- end of data loading --
 
 from flax import nnx  # The Flax NNX API.
