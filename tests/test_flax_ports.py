@@ -32,7 +32,7 @@ LINEN_DATA = re.compile(r"^def get_datasets\(\):\n(?:(?:  .*)?\n)*?(?=\n\ndef )"
 NNX_DATA_END = "from flax import nnx  # The Flax NNX API.\n"
 LINEN_ENV = {"MNIST_TRAIN_EXAMPLES": "1536"}
 LINEN_ARGS = ["--num_epochs", "2"]
-NNX_ENV = {"MNIST_TRAIN_STEPS": "60", "MNIST_EVAL_EVERY": "59"}
+NNX_ENV = {"MNIST_TRAIN_STEPS": "30", "MNIST_EVAL_EVERY": "29"}
 
 
 def read(*parts):
