@@ -24,7 +24,7 @@ from jdp.core import (
     shard,
     unshard,
 )
-from jdp.data import DistributedSampler, Loader
+from jdp.data import DistributedSampler, Loader, evaluate
 from jdp.distributed import (
     barrier,
     broadcast_from_primary,
@@ -56,6 +56,7 @@ __all__ = [
     "checkpoint",
     "data",
     "eval_step",
+    "evaluate",
     "get_logger",
     "initialize",
     "launch",

@@ -20,6 +20,7 @@ from jdp.core._checks import (
 )
 from jdp.core._checks import name as leaf_name
 from jdp.core._dispatch import make_step, stop_values
+from jdp.core._inflight import Window as StepWindow
 from jdp.core._mesh import AXIS, batch_sharded, mesh, place, replicated
 from jdp.core._state import TrainState, broadcast, divisible_rows, shard, unshard
 from jdp.core._step import (
@@ -34,7 +35,7 @@ from jdp.core._zero import is_sharded, logical_opt_state
 __all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "mesh", "reduce_gradients", "shard",
            "train_step", "unshard",
            # for jdp's other packages
-           "batch_leaves", "batch_sharded", "bool_options", "device_eval_step",
+           "StepWindow", "batch_leaves", "batch_sharded", "bool_options", "device_eval_step",
            "device_train_step", "divisible_rows", "is_sharded", "layouts", "leaf_name",
            "logical_opt_state", "make_step", "not_donated", "one_size", "place", "replicated",
            "stop_values", "train_options", "trainable"]

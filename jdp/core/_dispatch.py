@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.core import _checks
+from jdp.core import _checks, _inflight
 from jdp.job import progress as _progress
 from jdp.metrics import profile as _profile
 
@@ -59,6 +59,7 @@ def make_step(body: Callable, check: Callable, transform: Callable, place_stop: 
         if donate and _deleted(getattr(state, "step", None)):
             _checks.not_donated(state)
         calls[0] += 1
+        _inflight.jdp_step_called()
         # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
         _progress.record(phase, calls[0] if train else None)
         traced_step = _profile.before_step(calls[0]) if train else None

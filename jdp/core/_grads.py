@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _mesh, _zero
+from jdp.core import _checks, _mesh, _rng, _zero
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -44,6 +44,7 @@ def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
     it got one: `loss`, `(loss, aux)`, `(loss, new_ms)` or `(loss, (aux, new_ms))`.
     """
     args = (params, batch) if model_state is None else (params, batch, model_state)
+    _rng.check_loss_rng(loss_fn, rng is not None)
     out = loss_fn(*args, rng=rng) if rng is not None else loss_fn(*args)
     loss, metrics, new_model_state = _checks.loss_output(out, has_aux, model_state is not None)
     _checks.scalar_loss(loss)

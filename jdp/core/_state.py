@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _mesh, _zero, forms, layouts, prng_keys
+from jdp.core import _inflight, _mesh, _zero, forms, layouts, prng_keys
 from jdp.distributed import agree_once, broadcast_for, require_job
 
 
@@ -136,10 +136,12 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
     agree_once(_SHARD_SIGNATURES, "shard", batch, "jdp.shard",
                "every process must pass the same number of rows, of the same dtypes "
                "and shapes (rows per process = global batch / processes)")
+    _SHARDED.handed(batch, count=False)   # the user's own step: seen and bounded in flight
     return batch
 
 
 _SHARD_SIGNATURES: set = set()   # batch signatures the processes agreed on (jdp.shard)
+_SHARDED = _inflight.Window()   # jdp.shard's recent batches (one per field when called per field)
 
 
 def _adapter(layout: Any) -> layouts.Layout:

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.core import batch_sharded, layouts
+from jdp.core import StepWindow, batch_sharded, layouts
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
 from jdp.distributed import AGREE_TIMEOUT_S, agree, agree_once, require_job
@@ -118,6 +118,7 @@ class Loader:
         self._signatures: set = set()   # batch signatures the processes agreed on
         self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
+        self._window = StepWindow()   # the user's own step: seen and bounded
 
     def __len__(self) -> int:
         """Batches per epoch on this process (fewer in an epoch resumed on another world size)."""
@@ -182,9 +183,10 @@ class Loader:
                 agree_once(self._signatures, "loader-batch", batch, "jdp.data.Loader",
                                    "every process's source and transform must give fields of "
                                    "the same dtypes and shapes",
-                                   self.timeout or _group.AGREE_TIMEOUT_S)
+                                   self.timeout or AGREE_TIMEOUT_S)
                 self._inside_epoch()
                 self._step += 1
+                self._window.handed(batch, count=True)
                 yield batch
         self._active = None  # finished: _move must not close this (running) generator
         self._move(self._epoch + 1, 0)

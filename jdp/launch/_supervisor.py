@@ -39,8 +39,10 @@ POLL_S = 0.05        # how often the loop looks at signals and deadlines
 TAIL_LINES = 20      # lines of the failed rank's stderr in the summary
 _HOST_DEVICES = "--xla_force_host_platform_device_count"
 # Lines kept out of the console (they stay in the per-rank log files): gloo's connection
-# chatter, one line per rank per job.
-_CONSOLE_NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# chatter, one line per gloo context; a process with several devices writes them from several
+# threads at once, so fragments of two lines can share one line, or start one.
+_CONSOLE_NOISE = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks|"
+                            r"Expected number of connected peer ranks")
 _console_lock = threading.Lock()
 
 
@@ -293,7 +295,7 @@ def _pump(pipe: IO[bytes], file: IO[str] | None, console: bool, stream: str, pre
             line = line if line.endswith("\n") else line + "\n"
             if file is not None:
                 file = _write(file, line)
-            if _CONSOLE_NOISE.match(line):
+            if _CONSOLE_NOISE.search(line):
                 continue
             if tail is not None:
                 tail.append(line.rstrip("\n"))

@@ -1,0 +1,89 @@
+"""`evaluate`: a metric over a whole split in one call, exact, as plain numbers.
+
+The loop every evaluation needs (batches from a Loader, `jdp.eval_step` on each, the masked
+sums added up, divided by the count at the end) written once, so that no script writes it
+again and none gets the padding or the cross-process sum wrong.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp.core import eval_step
+from jdp.data._loader import Loader
+
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # metric_fn -> its eval step
+
+
+def evaluate(metric_fn: Callable, state: Any, data: Any, *, batch_size: int | None = None
+             ) -> dict[str, float]:
+    """Evaluate `metric_fn` over every example of `data` once: the means, as Python floats.
+
+    `metric_fn(state, batch)` is `jdp.eval_step`'s: one device's slice of the batch in,
+    `{name: per-example values [per_device_batch]}` out. Each value is summed over the real
+    examples of all devices of all processes (padding masked out) and divided by their number,
+    so the result is the exact mean over the split, whatever the device and process count.
+    Every process calls it and gets the same numbers.
+
+    Args:
+        metric_fn: `metric_fn(state, batch) -> {name: per-example values}`, e.g.
+            `{"accuracy": logits.argmax(-1) == batch["label"], "loss": per_example_loss}`.
+        state: the state from `jdp.broadcast` (or any tree of global arrays on `jdp.mesh()`).
+        data: a `jdp.data.Loader` at the start of an epoch (one whole pass is taken), or a
+            source the Loader takes (a dict of arrays, an `ArraySource`, a TFDS/grain source),
+            read in order with `batch_size` examples per process.
+        batch_size: examples per process and batch when `data` is a source; default the
+            smallest multiple of the local device count that is >= 128.
+
+    Returns:
+        `{name: mean over the examples}` as floats, plus "count": the number of examples.
+
+    Raises:
+        ValueError: the Loader is mid-epoch or drops examples (`drop_last`), so the pass would
+            not cover the split exactly once; `batch_size` given with a Loader.
+
+    Example:
+        >>> import jdp, numpy as np
+        >>> def metric_fn(state, batch):
+        ...     return {"sq": (batch["x"] * state["w"]) ** 2}
+        >>> jdp.evaluate(metric_fn, jdp.broadcast({"w": np.float32(2)}),
+        ...              {"x": np.ones(13, np.float32)})
+        {'sq': 4.0, 'count': 13.0}
+    """
+    loader = _whole_pass(data, batch_size)
+    step = _STEPS.get(metric_fn)
+    if step is None:
+        step = _STEPS[metric_fn] = eval_step(metric_fn)
+    totals = None
+    for batch in loader:
+        out = step(state, batch)
+        totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
+    if totals is None:
+        raise ValueError("jdp.evaluate: the data gave no batch; pass a split with examples")
+    sums = {k: float(np.asarray(v.addressable_data(0))) for k, v in totals.items()}
+    count = sums.pop("count")
+    return {**{k: v / count for k, v in sums.items()}, "count": count}
+
+
+def _whole_pass(data: Any, batch_size: int | None) -> Loader:
+    """`data` as a Loader that is about to hand out a whole epoch, every example once."""
+    if not isinstance(data, Loader):
+        n = jax.local_device_count()
+        size = batch_size or -(-128 // n) * n
+        return Loader(data, batch_size=size, prefetch=2)
+    if batch_size is not None:
+        raise ValueError(f"jdp.evaluate: batch_size={batch_size} was given with a Loader, which "
+                         f"has its own (batch_size={data.batch_size}); drop batch_size=")
+    if data.drop_last or data.sampler.drop_last:
+        raise ValueError("jdp.evaluate: the Loader drops examples (drop_last=True on the Loader "
+                         "or its sampler), so the mean would miss some; build the evaluation "
+                         "Loader with drop_last=False (padding is masked out)")
+    if data.step:
+        raise ValueError(f"jdp.evaluate: the Loader is at step {data.step} of epoch "
+                         f"{data.epoch}, so one pass would miss its first {data.step} batches; "
+                         "pass a Loader at the start of an epoch (a separate one for evaluation)")
+    return data
