@@ -35,12 +35,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.core import (
     AXIS,
-    forms,
     batch_leaves,
     bool_options,
     device_eval_step,
     device_train_step,
     divisible_rows,
+    forms,
     layouts,
     leaf_name,
     make_step,

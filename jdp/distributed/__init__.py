@@ -18,6 +18,7 @@ from jdp.distributed._init import barrier, initialize, shutdown
 from jdp.distributed._log import get_logger, print0
 from jdp.distributed._pieces import agree_once
 
-__all__ = ["AGREE_TIMEOUT_S", "agree", "agree_once", "barrier", "broadcast_for", "broadcast_from_primary",
+__all__ = ["AGREE_TIMEOUT_S", "agree", "agree_once", "barrier", "broadcast_for",
+           "broadcast_from_primary",
            "get_logger", "initialize", "is_primary", "print0", "process_count", "process_index",
            "require_job", "shutdown"]

@@ -29,6 +29,8 @@ SHUTDOWN_TIMEOUT = "JDP_SHUTDOWN_TIMEOUT"
 CLUSTER_DETECTION = "JDP_CLUSTER_DETECTION"
 PROGRESS_TIMEOUT = "JDP_PROGRESS_TIMEOUT"
 STOP_GRACE = "JDP_STOP_GRACE"
+PROFILE_STEPS = "JDP_PROFILE_STEPS"   # "A:B": trace training steps A..B on every rank
+PROFILE_DIR = "JDP_PROFILE_DIR"       # where the ranks write their traces (rank.K below it)
 COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 
 # Between a supervisor and its ranks (internal).

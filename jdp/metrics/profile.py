@@ -23,8 +23,10 @@ import os
 import warnings
 from typing import Any, NamedTuple
 
-STEPS = "JDP_PROFILE_STEPS"   # "A:B": trace training steps A..B (from 1, both included)
-DIR = "JDP_PROFILE_DIR"       # where every rank writes its trace (rank.K below it)
+from jdp.job import env as _env
+
+STEPS = _env.PROFILE_STEPS   # "A:B": trace training steps A..B (from 1, both included)
+DIR = _env.PROFILE_DIR       # where every rank writes its trace (rank.K below it)
 DEFAULT_DIR = "profile"
 
 
