@@ -154,13 +154,9 @@ def measure(width: int, steps: int = 2, rounds: int = 2) -> dict:
             base = _hand_step(model, params, batch, per_layer=False)
             row = {}
             for mode, build in _builders(model):
-                b, ratios = build(params, batch), []
-                for r in range(rounds):
-                    pair = [base, b] if r % 2 == 0 else [b, base]
-                    ms = {id(x): _ms(x, steps) for x in pair}
-                    ratios.append(ms[id(base)] / ms[id(b)])
-                row[mode] = {"peak": b["peak"], "rest": b["rest"], "ms": ms[id(b)],
-                             "speed": statistics.median(ratios),
+                b = build(params, batch)
+                ms, speed = _paired(base, b, steps, rounds)
+                row[mode] = {"peak": b["peak"], "rest": b["rest"], "ms": ms, "speed": speed,
                              "params": n_layers * width * width}
                 del b
                 gc.collect()
@@ -169,6 +165,17 @@ def measure(width: int, steps: int = 2, rounds: int = 2) -> dict:
                 "params": n_layers * width * width}
             out.setdefault(form, {})[n_layers] = row
     return {"deep": out, "nodes": measure_nodes(width, steps=steps, rounds=rounds)}
+
+
+def _paired(base: dict, b: dict, steps: int, rounds: int) -> tuple[float, float]:
+    """`b`'s ms per step in the last round, and the median over `rounds` of base's time / b's,
+    the two timed alternately (which goes first swaps each round)."""
+    ratios = []
+    for r in range(rounds):
+        pair = [base, b] if r % 2 == 0 else [b, base]
+        ms = {id(x): _ms(x, steps) for x in pair}
+        ratios.append(ms[id(base)] / ms[id(b)])
+    return ms[id(b)], statistics.median(ratios)
 
 
 NODE_MODES = {"replicated": {}, "ZeRO": {"shard_optimizer": True},
@@ -184,13 +191,8 @@ def measure_nodes(width: int, layers: int = 16, steps: int = 2, rounds: int = 2)
     for mode, options in NODE_MODES.items():
         b = base if mode == "FSDP" else _jdp_step(_scanned, params, batch, options)
         text = b["run"].lower(*b["args"]).compile().as_text()
-        ratios = []
-        for r in range(rounds):
-            pair = [base, b] if r % 2 == 0 else [b, base]
-            ms = {id(x): _ms(x, steps) for x in pair}
-            ratios.append(ms[id(base)] / ms[id(b)])
-        out[mode] = {"peak": b["peak"], "rest": b["rest"], "ms": ms[id(b)],
-                     "speed": statistics.median(ratios),
+        ms, speed = _paired(base, b, steps, rounds)
+        out[mode] = {"peak": b["peak"], "rest": b["rest"], "ms": ms, "speed": speed,
                      "crossing": hlo.crossing_bytes(text, jax.device_count() // 2)}
         gc.collect()
     return out

@@ -37,19 +37,12 @@ def hand_step(loss_fn):
     """jdp's work written by hand as one `jax.jit(shard_map)`: gradients, BatchNorm statistics
     and metrics averaged over the devices, donated state."""
     import jax
-    from jax import lax
     from jax.sharding import PartitionSpec as P
 
     import jdp
-
-    def device_step(state, batch):
-        (value, (metrics, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, batch, state.model_state)
-        state = state.apply_gradients(grads=lax.pmean(grads, jdp.AXIS))
-        state = state.replace(model_state=lax.pmean(stats, jdp.AXIS))
-        return state, lax.pmean({"loss": value, **metrics}, jdp.AXIS)
-    mapped = jax.shard_map(device_step, mesh=jdp.mesh(), in_specs=(P(), P(jdp.AXIS)),
-                           out_specs=(P(), P()))
+    from benchmarks import worker
+    mapped = jax.shard_map(worker.hand_device_step(loss_fn), mesh=jdp.mesh(),
+                           in_specs=(P(), P(jdp.AXIS)), out_specs=(P(), P()))
     return jax.jit(mapped, donate_argnums=0)
 
 

@@ -42,16 +42,21 @@ def example(max_pool: bool = False):
     return module
 
 
-def hand_step(loss_fn):
-    """jdp's work written by hand: gradients, BatchNorm statistics and metrics averaged over
-    devices (XLA merges them into one all-reduce), donated state."""
+def hand_device_step(loss_fn):
+    """jdp's per-device work written by hand: gradients, BatchNorm statistics and metrics
+    averaged over `jdp.AXIS` (XLA merges them into one all-reduce)."""
     def device_step(state, batch):
         (value, (metrics, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, batch, state.model_state)
         state = state.apply_gradients(grads=lax.pmean(grads, jdp.AXIS))
         state = state.replace(model_state=lax.pmean(stats, jdp.AXIS))
         return state, lax.pmean({"loss": value, **metrics}, jdp.AXIS)
-    return jax.pmap(device_step, axis_name=jdp.AXIS, donate_argnums=(0,))
+    return device_step
+
+
+def hand_step(loss_fn):
+    """`hand_device_step` under `jax.pmap`, donated state."""
+    return jax.pmap(hand_device_step(loss_fn), axis_name=jdp.AXIS, donate_argnums=(0,))
 
 
 class Variant(NamedTuple):
