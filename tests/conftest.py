@@ -3,6 +3,7 @@
 The device count must be fixed before jax is imported, so it is set here at import time.
 """
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,17 @@ import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
+
+
+MPIRUN = shutil.which("mpirun")   # Open MPI's launcher; the mpirun tests skip without it
+
+
+def mpirun_command(script, forward, *args) -> list:
+    """`mpirun -np 2 python script args...` as root on this one machine (oversubscribed),
+    forwarding the environment variables named in `forward` to both ranks."""
+    return [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
+            *(arg for name in forward for arg in ("-x", name)), sys.executable, str(script),
+            *args]
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ and the coordinator's port at a free one, see tests/_k8s_pod/). Their losses mus
 of the same job started by torchrun's variables. Ray: tests/test_ray.py.
 """
 import os
-import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, child_env, finish, free_port, run_ranks
+from conftest import MPIRUN, REPO, child_env, finish, free_port, mpirun_command, run_ranks
 
 SCRIPT = os.path.join(REPO, "tests", "_engine_train.py")
 POD_SHIM = os.path.join(REPO, "tests", "_k8s_pod")
@@ -138,15 +138,13 @@ print(f"READY {jax.process_index()} {os.getpid()}", flush=True)
 while True:
     f(np.ones(1, np.float32)).block_until_ready()
 """
-MPIRUN = shutil.which("mpirun")
 
 
 def spinning_job(way: str, script: str) -> list:
     """The 2 ranks of SPINNING started `way`: one process each, or one mpirun for both."""
     if way == "mpirun":
         return [subprocess.Popen(
-            [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "JAX_PLATFORMS",
-             "-x", "PYTHONPATH", "-x", "XLA_FLAGS", sys.executable, script], cwd=REPO,
+            mpirun_command(script, ("JAX_PLATFORMS", "PYTHONPATH", "XLA_FLAGS")), cwd=REPO,
             env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     port = str(free_port())
     return start([{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
@@ -163,11 +161,11 @@ def test_a_killed_peer_is_named_by_the_survivor_within_seconds(tmp_path, way, ki
     procs, pids = spinning_job(way, str(script)), {}
     try:
         for p in procs:
-            for line in p.stdout:
-                if line.startswith("READY"):
-                    pids[int(line.split()[1])] = int(line.split()[2])
-                    if len(pids) == 2 or way != "mpirun":
-                        break
+            for line in p.stdout:   # mpirun may run both ranks' lines together on one line
+                found = re.findall(r"READY (\d) (\d+)", line)
+                pids.update((int(rank), int(pid)) for rank, pid in found)
+                if len(pids) == 2 or (found and way != "mpirun"):
+                    break
         start_s = time.monotonic()
         os.kill(pids[killed], signal.SIGKILL)
         survivor = procs[0] if way == "mpirun" else procs[1 - killed]

@@ -5,25 +5,29 @@
 JAX's exit handler waits up to the shutdown timeout and then aborts every rank with SIGABRT).
 The test runs the real mpirun (Debian's openmpi-bin); it is skipped where that is absent.
 """
-import shutil
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import RANK_1_LEAVES, REPO, child_env, wait_until_gone, write_script
+from conftest import (
+    MPIRUN,
+    RANK_1_LEAVES,
+    REPO,
+    child_env,
+    mpirun_command,
+    wait_until_gone,
+    write_script,
+)
 from test_fault_preemption import LOOP as PREEMPTION_LOOP
 
-MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI, Debian package "
                                 "openmpi-bin) is not installed")
 
 
 def mpirun(script, tag, mode):
     env = child_env(JDP_TEST_TAG=tag, MODE=mode)
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
-           "-x", "JAX_PLATFORMS", "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG", "-x", "MODE",
-           "-x", "XLA_FLAGS", sys.executable, script]
+    cmd = mpirun_command(script, ("JAX_PLATFORMS", "PYTHONPATH", "JDP_TEST_TAG", "MODE",
+                                  "XLA_FLAGS"))
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
@@ -49,8 +53,7 @@ def test_sigterm_to_mpirun_stops_every_rank_at_one_step(tmp_path, tag):
     script = write_script(tmp_path, "loop.py", LOOP)
     out = tmp_path / "out.txt"
     env = child_env(JDP_TEST_TAG=tag)
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "JAX_PLATFORMS",
-           "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG", "-x", "XLA_FLAGS", sys.executable, script]
+    cmd = mpirun_command(script, ("JAX_PLATFORMS", "PYTHONPATH", "JDP_TEST_TAG", "XLA_FLAGS"))
     with open(out, "w") as f:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -102,9 +105,8 @@ def check_stuck_rank_report(done, script: str, ended: float) -> None:
 def test_a_rank_stuck_in_python_under_mpirun_is_named_with_its_line(tmp_path, tag):
     script = write_script(tmp_path, "stuck.py", STUCK)
     env = child_env(JDP_TEST_TAG=tag, JDP_PROGRESS_TIMEOUT=str(PROGRESS_TIMEOUT))
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
-           "-x", "JAX_PLATFORMS", "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG", "-x", "XLA_FLAGS",
-           "-x", "JDP_PROGRESS_TIMEOUT", sys.executable, script]
+    cmd = mpirun_command(script, ("JAX_PLATFORMS", "PYTHONPATH", "JDP_TEST_TAG", "XLA_FLAGS",
+                                  "JDP_PROGRESS_TIMEOUT"))
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     check_stuck_rank_report(done, script, time.time())
     assert done.returncode == 124, done.stderr[-3000:]

@@ -3,12 +3,18 @@ array assembled from per-process pieces (jdp.shard, the Loader) agrees on shape 
 per new signature, named on every rank in seconds; typed keys and padded FSDP leaves cross
 processes intact (the single-process cases are in test_misuse_forms and test_misuse_nnx)."""
 import re
-import shutil
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO, job_env, run_python, wait_until_gone, write_script
+from conftest import (
+    MPIRUN,
+    REPO,
+    job_env,
+    mpirun_command,
+    run_python,
+    wait_until_gone,
+    write_script,
+)
 
 RANKS = """
 import json, sys, time
@@ -131,7 +137,6 @@ def test_a_dropout_key_is_broadcast_from_process_0_to_every_rank(outcomes):
     assert zero == one and zero.startswith("ok ["), (zero, one)
 
 
-MPIRUN = shutil.which("mpirun")
 UNDER_MPIRUN = """
 import time
 import jax, numpy as np
@@ -150,9 +155,8 @@ except Exception as e:
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI) is not installed")
 def test_under_mpirun_pieces_that_differ_are_named_on_both_ranks(tmp_path, tag):
     script = write_script(tmp_path, "mpi.py", UNDER_MPIRUN)
-    done = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
-                           "-x", "JAX_PLATFORMS", "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG",
-                           "-x", "XLA_FLAGS", sys.executable, script],
+    done = subprocess.run(mpirun_command(script, ("JAX_PLATFORMS", "PYTHONPATH",
+                                                  "JDP_TEST_TAG", "XLA_FLAGS")),
                           env=job_env(tag), cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     found = re.findall(r"rank (\d) after ([\d.]+) s: ValueError: jdp\.shard: the processes "

@@ -7,13 +7,20 @@ within seconds, naming what differs and on which processes; host values must arr
 """
 import json
 import re
-import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_one_line, job_env, run_python, wait_until_gone, write_script
+from conftest import (
+    MPIRUN,
+    REPO,
+    assert_one_line,
+    job_env,
+    mpirun_command,
+    run_python,
+    wait_until_gone,
+    write_script,
+)
 
 import jdp
 
@@ -303,7 +310,6 @@ def test_one_process_passes_and_the_check_is_not_repeated(launched, tmp_path):
         who(tmp_path)
 
 
-MPIRUN = shutil.which("mpirun")
 UNDER_MPIRUN = """
 import sys, time
 import jax, numpy as np
@@ -325,9 +331,8 @@ except Exception as e:
 def test_under_mpirun_a_disagreement_or_a_missing_initialize_is_named(tmp_path, tag, join):
     script = write_script(tmp_path, "mpi.py", UNDER_MPIRUN)
     env = job_env(tag)
-    done = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
-                           "-x", "JAX_PLATFORMS", "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG",
-                           "-x", "XLA_FLAGS", sys.executable, script, join],
+    done = subprocess.run(mpirun_command(script, ("JAX_PLATFORMS", "PYTHONPATH",
+                                                  "JDP_TEST_TAG", "XLA_FLAGS"), join),
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr
     if join == "join":

@@ -1,12 +1,10 @@
 """Every value a user gives the launcher, or jdp through the environment, is parsed at start:
 finite, in range, ports distinct, JDP_* variables valid, or a one-line error naming the value
 (never a wait that cannot end, nor a feature silently off)."""
-import shutil
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO, assert_one_line, free_port, job_env, write_script
+from conftest import MPIRUN, REPO, assert_one_line, free_port, job_env, mpirun_command, write_script
 
 import jdp
 import jdp.launch
@@ -80,7 +78,6 @@ def test_spawn_refuses_a_bad_progress_timeout_naming_the_variable(monkeypatch):
     assert_one_line(info.value, ["JDP_PROGRESS_TIMEOUT='abc'", "seconds"])
 
 
-MPIRUN = shutil.which("mpirun")
 UNDER_MPIRUN = """
 import jdp
 try:
@@ -94,9 +91,8 @@ except ValueError as e:
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI) is not installed")
 def test_under_mpirun_a_bad_jdp_variable_is_named_by_every_rank_before_joining(tmp_path, tag):
     script = write_script(tmp_path, "mpi.py", UNDER_MPIRUN)
-    done = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2",
-                           "-x", "JAX_PLATFORMS", "-x", "PYTHONPATH", "-x", "JDP_TEST_TAG",
-                           "-x", "JDP_PROGRESS_TIMEOUT", sys.executable, script],
+    done = subprocess.run(mpirun_command(script, ("JAX_PLATFORMS", "PYTHONPATH",
+                                                  "JDP_TEST_TAG", "JDP_PROGRESS_TIMEOUT")),
                           env=job_env(tag, JDP_PROGRESS_TIMEOUT="abc"), cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.count("ValueError: JDP_PROGRESS_TIMEOUT='abc' must be") == 2, \
