@@ -75,14 +75,20 @@ def port() -> int:
 def finish(procs, timeout: float) -> list:
     """Wait for every process (`timeout` s each) and return what each wrote to stdout.
 
-    Whatever still runs on the way out (a timeout, an error) is killed and reaped, so a failing
-    test leaves no process behind.
+    Whatever still runs on the way out (a timeout, an error) is stopped and reaped, so a failing
+    test leaves no process behind: SIGTERM first, which mpirun passes on to its ranks (SIGKILL
+    would leave them running), then SIGKILL after 5 s.
     """
     try:
         return [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.terminate()
+        for p in running:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
 
