@@ -54,12 +54,20 @@ def expected_bytes(params: Any, model_state: Any, metric_scalars: int) -> int:
 
 
 def replica_groups(line: str) -> list[tuple[int, ...]]:
-    """The device groups of one collective's HLO line: `replica_groups={{0,1},{2,3}}` or the
-    iota form `replica_groups=mesh['axis_0'=4,...], device_ids=([2,4]T(1,0)) {'axis_0'}`."""
+    """The device groups of one collective's HLO line: `replica_groups={{0,1},{2,3}}`, the
+    list form `replica_groups=[2,4]<=[8]` (iota in rows of 4), or the mesh form
+    `replica_groups=mesh['axis_0'=4,...], device_ids=([2,4]T(1,0)) {'axis_0'}`."""
     explicit = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
     if explicit:
         return sorted(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}",
                                                                         explicit[1]))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:     # `[groups,size]<=[dims]T(perm)`: iota over dims, transposed, in rows of size
+        ids = np.arange(int(np.prod([int(d) for d in iota[3].split(",")])))
+        ids = ids.reshape([int(d) for d in iota[3].split(",")])
+        if iota[4]:
+            ids = ids.transpose([int(a) for a in iota[4].split(",")])
+        return sorted(tuple(g) for g in ids.reshape(int(iota[1]), int(iota[2])).tolist())
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]T\(([\d,]+)"
                   r"\)\))? \{([^}]*)\}", line)
     if not m:

@@ -1,6 +1,8 @@
 """HSDP (`shard_params=k`): parameters split within groups of k consecutive devices and
 replicated across the groups; per-layer gathers inside a group, one reduction of the gradient
 shards across the groups; training exactly as single-device optax."""
+import re
+
 import jax
 import numpy as np
 import optax
@@ -20,34 +22,83 @@ def hsdp_state(k=K):
                          shard_params=k)
 
 
-def large_collectives(text: str, min_bytes: int = 1024) -> list[tuple[str, list]]:
-    """(kind, device groups) of every all-gather, reduce-scatter and all-reduce whose result
-    is over `min_bytes` (the metrics' scalars and the stop flag are left out)."""
-    return [(kind, groups) for kind, size, groups, _ in hlo.grouped(text) if size > min_bytes]
+def large_collectives(text: str, min_bytes: int = 1024) -> list[tuple[str, list, int]]:
+    """(kind, device groups, runs per step) of every all-gather, reduce-scatter and all-reduce
+    whose result is over `min_bytes` (the metrics' scalars and the stop flag are left out)."""
+    return [(kind, groups, runs) for kind, size, groups, runs in hlo.grouped(text)
+            if size > min_bytes]
 
 
-def test_groups_of_4_on_8_devices_train_exactly_and_hold_a_quarter_of_the_model():
-    state, data = hsdp_state(), batches(N * 4, D)
-    step = jdp.train_step(mse_loss(scanned), shard_params=K)
-    for b in data:
-        state, _ = step(state, jdp.shard(b))
-    assert_tree_close(jdp.unshard(state).params,
-                      single_device(mse_loss(scanned), stacked(L, D), TX, data))
-    assert state.params["w"].shape == (L, D, D)
-    for x in jax.tree.leaves((state.params, state.opt_state)):
-        assert x.addressable_shards[0].data.size * K == x.size, x.shape   # 1/4 per device
+WITHIN, ACROSS = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+def assert_hsdp_collectives(text: str, layers: int = L, shard_bytes: int | None = None):
+    """The compiled step's large collectives: gathers and reductions within the groups of 4,
+    run layer by layer; across the groups only all-reduces, each once a step (the gradient
+    shards; `shard_bytes` in all when given): nothing per layer crosses a group."""
+    found = large_collectives(text)
+    assert any(kind == "all-gather" and runs >= layers for kind, _, runs in found), found
+    crossing = [(kind, runs) for kind, groups, runs in found if groups != WITHIN]
+    assert crossing and all(k == "all-reduce" for k, _ in crossing), found
+    assert all(runs == 1 for _, runs in crossing), found      # once a step, not per layer
+    assert all(groups in (WITHIN, ACROSS) for _, groups, _ in found), found
+    if shard_bytes is not None:
+        got = sum(size * runs for kind, size, groups, runs in hlo.grouped(text)
+                  if groups == ACROSS and size > 1024)
+        assert got == shard_bytes, (got, shard_bytes)
 
 
 def test_gathers_stay_in_a_group_and_only_the_shards_reduction_crosses_groups():
+    """One device's gradient shard (1/4 of the model) crosses the groups, once a step."""
     state, b = hsdp_state(), jdp.shard(batches(N * 4, D)[0])
     text = jdp.train_step(mse_loss(scanned), shard_params=K).lower(state, b).compile().as_text()
-    within, across = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
-    found = large_collectives(text)
-    assert any(kind == "all-gather" for kind, _ in found), found
-    for kind, groups in found:
-        assert groups == (across if kind == "all-reduce" and groups == across else within), (
-            kind, groups)
-    assert ("all-reduce", across) in found            # the gradient shards, across the groups
+    model_bytes = 4 * sum(np.size(x) for x in jax.tree.leaves(stacked(L, D)))
+    assert_hsdp_collectives(text, shard_bytes=model_bytes // K)
+
+
+def test_accumulation_and_comm_dtype_still_cross_once_a_step_in_bf16():
+    """With 2 micro-batches the cross-group all-reduce still runs once, after them, and with
+    comm_dtype=bf16 the groups' gradients are summed in bf16, while training stays within
+    1e-2."""
+    import jax.numpy as jnp
+    state, data = hsdp_state(), batches(N * 4, D)
+    step = jdp.train_step(mse_loss(scanned), shard_params=K, accum_steps=2,
+                          comm_dtype=jnp.bfloat16)
+    lowered = step.lower(state, jdp.shard(data[0]))
+    assert_hsdp_collectives(lowered.compile().as_text())
+    # the sum over the groups' copies, as jdp writes it (XLA:CPU then widens the all-reduce)
+    sums = re.findall(r"stablehlo.reduce\(.*across dimensions = \[0\] : \(tensor<2x(\S+)x(\w+)>",
+                      lowered.as_text())
+    assert sorted(sums) == [("4x64", "bf16"), ("4x64x64", "bf16")], sums
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    want = single_device(mse_loss(scanned), stacked(L, D), TX, data)
+    for g, w in zip(jax.tree.leaves(jdp.unshard(state).params), jax.tree.leaves(want),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-2, atol=1e-2)
+
+
+def test_a_loss_that_communicates_over_the_axis_still_reduces_over_every_device():
+    """A loss with its own collective over jdp.AXIS (here the batch mean of the targets) runs
+    in one map over all 8 devices: exact, and the collective spans both groups."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def loss(params, b):
+        centre = lax.pmean(jnp.mean(b["y"], axis=0), jdp.AXIS)     # over all 8 devices
+        return jnp.mean((scanned(params, b["x"]) - (b["y"] - centre)) ** 2)
+
+    def single(params, b):
+        return jnp.mean((scanned(params, b["x"]) - (b["y"] - jnp.mean(b["y"], axis=0))) ** 2)
+
+    state, data = hsdp_state(), batches(N * 4, D)
+    step = jdp.train_step(loss, shard_params=K)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    assert_tree_close(jdp.unshard(state).params, single_device(single, stacked(L, D), TX, data))
+    one_line_error(ValueError, ["comm_dtype", "shard_params=4", "collectives over jdp.AXIS"],
+                   jdp.train_step(loss, shard_params=K, comm_dtype=jnp.bfloat16), state,
+                   jdp.shard(data[0]))
 
 
 def test_the_step_and_the_state_must_agree_on_the_groups():
@@ -129,11 +180,7 @@ def test_shard_params_node_on_two_nodes_of_four_devices(tmp_path, tag, processes
     for rank in range(2 * processes):
         assert_tree_close(dict(np.load(tmp_path / f"rank{rank}.npz")), want)
     assert (tmp_path / "group.json").read_text() == "4"
-    found = large_collectives((tmp_path / "step.hlo").read_text())
-    within, across = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
-    assert ("all-reduce", across) in found and any(k == "all-gather" for k, _ in found)
-    assert all(g in (within, across) for _, g in found), found
-    assert all(g == within for k, g in found if k == "all-gather"), found
+    assert_hsdp_collectives((tmp_path / "step.hlo").read_text())
 
 
 def test_accumulation_clipped_adam_and_eval_step_under_hsdp():

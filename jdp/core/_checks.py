@@ -42,15 +42,26 @@ def bool_options(**options: Any) -> None:
             raise ValueError(f"{option}={value!r}: expected True or False")
 
 
-def fsdp_comm_dtype(shard_params: bool, comm_dtype: Any, compute_dtype: Any) -> None:
-    """Under FSDP the compiler reduces each layer's gradient where it is computed, in the
-    compute dtype: a different `comm_dtype` cannot be honoured."""
+def fsdp_comm_dtype(shard_params: Any, comm_dtype: Any, compute_dtype: Any) -> None:
+    """Under FSDP over all devices the compiler reduces each layer's gradient where it is
+    computed, in the compute dtype: a different `comm_dtype` cannot be honoured. (HSDP's
+    `shard_params=k` or "node" sends its one reduction across the groups in `comm_dtype`.)"""
     reduced = jnp.dtype(compute_dtype or jnp.float32)
-    if shard_params and comm_dtype is not None and jnp.dtype(comm_dtype) != reduced:
+    if shard_params is True and comm_dtype is not None and jnp.dtype(comm_dtype) != reduced:
         raise ValueError(
             f"comm_dtype={comm_dtype!r} with shard_params=True: FSDP reduces each layer's "
             f"gradient in the compute dtype ({reduced}); drop comm_dtype, or pass "
             f"compute_dtype={jnp.dtype(comm_dtype).name} to compute and reduce in it")
+
+
+def hsdp_loss_collectives(comm_dtype: Any, group: int) -> None:
+    """HSDP with a loss that communicates over `jdp.AXIS`: the gradient is reduced across the
+    groups layer by layer (as FSDP's), so `comm_dtype` has no single reduction to apply to."""
+    if comm_dtype is not None:
+        raise ValueError(
+            f"comm_dtype={comm_dtype!r} with shard_params={group} and a loss that calls "
+            "collectives over jdp.AXIS: its gradients are reduced across the groups where each "
+            "layer computes them, in the compute dtype; drop comm_dtype, or sync the model state after the step (model_state_sync='mean')")
 
 
 def trainable(params: Any) -> None:

@@ -7,6 +7,7 @@ threaded through and synced, and the metrics all-reduced with jdp's stop flag ri
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -30,9 +31,10 @@ def model_state_field(state: Any) -> str | None:
     return None
 
 
-def _device_rng(state: Any, micro: Any = None) -> Any:
-    """This device's key for this step (and micro-batch): fold step and device index in."""
-    key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(AXIS))
+def _device_rng(state: Any, micro: Any = None, axes: Any = AXIS) -> Any:
+    """This device's key for this step (and micro-batch): fold step and device index in (the
+    index along `axes`: `AXIS`, or HSDP's (groups, within a group), the same numbers)."""
+    key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(axes))
     return key if micro is None else jax.random.fold_in(key, micro)
 
 
@@ -129,7 +131,7 @@ def device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
 
 
 def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync,
-                 mean, compute_dtype, group=None):
+                 mean, compute_dtype, comm_dtype=None, group=None):
     """FSDP's gradient at jit level: every device's loss under `jax.vmap` over `AXIS`.
 
     The parameters enter the map unbatched and stay split as stored, so the compiler gathers
@@ -138,44 +140,134 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     map, so the sum over devices is the transpose of each use's broadcast: reduced (and split
     again) layer by layer, in `compute_dtype` (the parameters are cast before the map, so they
     are gathered in it too). Collectives over `AXIS` in the loss work as under `shard_map`.
-    Returns (gradients, synced model state, metrics with the stop flag), all global.
+    HSDP (`group`): `_grouped_grads`. Returns (gradients, synced model state, metrics with the
+    stop flag), all global.
     """
     n, k = _mesh.mesh().size, accum_steps
     field = model_state_field(state)
     ms = getattr(state, field) if field else None
     ms = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), ms)
     micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(n, k, -1, *x.shape[1:]), 0, 1), batch)
-    devices = AXIS
-    if group:  # HSDP: the devices as (groups, within a group), the batch split over both
-        devices = (_mesh.REPLICA, _mesh.SHARD)
-        split = NamedSharding(_mesh.group_mesh(group), P(None, devices))
+    if group:  # the batch split over (groups, within a group), as the devices are
+        split = NamedSharding(_mesh.group_mesh(group), P(None, (_mesh.REPLICA, _mesh.SHARD)))
         micro = jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), micro)
-    use_rng = getattr(state, "rng", None) is not None
-
-    def device_loss(params, b, ms, i):
-        rng = _device_rng(state, i if k > 1 else None) if use_rng else None
-        loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
-        return loss, (loss, metrics, new_ms)
-
-    def total(params, b, ms, i):
-        params = _zero.cast(params, compute_dtype)
-        losses, aux = jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=AXIS,
-                               spmd_axis_name=devices)(params, b, ms, i)
-        return jnp.sum(losses) / (n if mean else 1), aux
-
-    def body(carry, i):
-        grad_sum, ms = carry
-        b = jax.tree.map(lambda x: x[i], micro)
-        grads, (loss, metrics, ms) = jax.grad(total, has_aux=True)(state.params, b, ms, i)
-        return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
-
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    (grads, ms), (losses, metrics) = lax.scan(body, (zeros, ms), jnp.arange(k))
+    loop = functools.partial(_mapped_loop, state, micro, ms, loss_fn=loss_fn, has_aux=has_aux,
+                             k=k, scale=n if mean else 1, compute_dtype=compute_dtype)
+    if group:
+        grads, ms, losses, metrics = _grouped_grads(loop, state.params, group, comm_dtype)
+    else:
+        grads, ms, losses, metrics = loop(state.params, _flat_map(AXIS))
     grads = jax.tree.map(lambda g: g / k, grads) if k > 1 else grads
     metrics = {"loss": losses, **(metrics if isinstance(metrics, dict) else {"aux": metrics})}
     metrics = jax.tree.map(lambda m: jnp.mean(jnp.asarray(m, jnp.float32)), metrics)
     metrics[STOP] = jnp.sum(stop).astype(jnp.float32) / n
     return grads, _merge_model_state(ms, model_state_sync), metrics
+
+
+def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, scale,
+                 compute_dtype):
+    """The gradient of the devices' summed loss with respect to `params`, summed over the k
+    micro-batches, the devices mapped by `device_map` (`_flat_map` or `_grouped_map`).
+    Returns (gradients, model states `[n, ...]`, losses `[k, n]`, metrics `[k, n, ...]`)."""
+    mapped, axes = device_map
+    use_rng = getattr(state, "rng", None) is not None
+
+    def device_loss(params, b, ms, i):
+        rng = _device_rng(state, i if k > 1 else None, axes) if use_rng else None
+        loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
+        return loss, (loss, metrics, new_ms)
+
+    every_device = mapped(device_loss)
+
+    def total(params, b, ms, i):
+        losses, aux = every_device(_zero.cast(params, compute_dtype), b, ms, i)
+        return jnp.sum(losses) / scale, aux
+
+    def body(carry, i):
+        grad_sum, ms = carry
+        b = jax.tree.map(lambda x: x[i], micro)
+        grads, (loss, metrics, ms) = jax.grad(total, has_aux=True)(params, b, ms, i)
+        return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, ms), (losses, metrics) = lax.scan(body, (zeros, ms), jnp.arange(k))
+    return grads, ms, losses, metrics
+
+
+def _flat_map(spmd_axes):
+    """One vmap over all devices, named `AXIS`, the parameters unbatched: each use's gradient
+    is reduced over every device where it is computed."""
+    def mapped(device_loss):
+        return jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=AXIS,
+                        spmd_axis_name=spmd_axes)
+    return mapped, AXIS
+
+
+_GROUPS, _IN_GROUP = "jdp_groups", "jdp_in_group"   # HSDP's two vmap axes
+
+
+def _grouped_map(group):
+    """HSDP's map: a vmap over the groups, each with its own copy of the parameters (batched),
+    around a vmap over one group's devices (the copy unbatched). Inside the loop each use's
+    gradient is reduced within its group only; across the groups it stays one sum per copy."""
+    def mapped(device_loss):
+        inner = jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=_IN_GROUP,
+                         spmd_axis_name=_mesh.SHARD)
+        outer = jax.vmap(inner, in_axes=(0, 0, 0, None), axis_name=_GROUPS,
+                         spmd_axis_name=_mesh.REPLICA)
+        split = lambda t: jax.tree.map(lambda x: x.reshape(-1, group, *x.shape[1:]), t)  # noqa: E731
+        join = lambda t: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), t)  # noqa: E731
+        return lambda params, b, ms, i: join(outer(params, split(b), split(ms), i))
+    return mapped, (_GROUPS, _IN_GROUP)
+
+
+def _grouped_grads(loop, params, group, comm_dtype):
+    """HSDP's gradient: reduced within a group layer by layer, across the groups once a step.
+
+    Each group differentiates its own copy of the parameters (`[groups, ...]`: per device the
+    1/group split FSDP stores, so nothing is gathered to make it), so what a group's devices
+    reduce inside the loop stays in the group; after the loop (and the micro-batches) the
+    copies' gradients are summed across the groups in one all-reduce per leaf, in
+    `comm_dtype`. A loss that communicates over `AXIS` itself (BatchNorm synced in the forward
+    pass) needs one map over every device: it runs in the FSDP form over the 2-D mesh, each
+    use's gradient reduced across the groups where it is computed (and `comm_dtype` must then
+    be the compute dtype).
+    """
+    groups = _mesh.mesh().size // group
+    copies = jax.tree.map(lambda p: _copies(p, groups, group), params)
+    try:
+        grads, ms, losses, metrics = loop(copies, _grouped_map(group))
+    except NameError as e:       # the loss named AXIS: unbound under the two-level map
+        if AXIS not in str(e):
+            raise
+        _checks.hsdp_loss_collectives(comm_dtype, group)
+        return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD)))
+    return jax.tree.map(lambda g: _across_groups(g, group, comm_dtype), grads), ms, losses, \
+        metrics
+
+
+def _group_spec(shape, first=()):
+    """The PartitionSpec of a parameter of `shape` split within a group (`_zero.shard_axis`),
+    after the leading axes `first`."""
+    axis = _zero.shard_axis(tuple(shape))
+    return P(*first, *([] if axis is None else [None] * axis + [_mesh.SHARD]))
+
+
+def _copies(p, groups, group):
+    """`groups` copies of parameter `p`, one per group, each split within its group as `p` is."""
+    spec = _group_spec(jnp.shape(p), first=(_mesh.REPLICA,))
+    return lax.with_sharding_constraint(jnp.broadcast_to(p, (groups, *jnp.shape(p))),
+                                        NamedSharding(_mesh.group_mesh(group), spec))
+
+
+def _across_groups(g, group, comm_dtype):
+    """The sum of the groups' gradients `g[groups, ...]`, sent in `comm_dtype` (None: as is):
+    one all-reduce of each device's shard across the groups."""
+    sent = g.astype(comm_dtype) if comm_dtype is not None else g
+    summed = lax.reduce(sent, jnp.zeros((), sent.dtype), lax.add, (0,))  # in its dtype: no upcast
+    total = lax.with_sharding_constraint(
+        summed, NamedSharding(_mesh.group_mesh(group), _group_spec(g.shape[1:])))
+    return total.astype(g.dtype)
 
 
 def _merge_model_state(ms: Any, how: str | None) -> Any:

@@ -113,7 +113,8 @@ def _fsdp_train_step(state, batch, stop, *, mean, comm_dtype, **options):
     (`_grads.mapped_grads`), then the update on the split state (`_zero.apply`)."""
     params, group = _zero.logical(state.params), _zero.params_group(state.params)
     grads, new_ms, metrics = _grads.mapped_grads(
-        state.replace(params=params), batch, stop, mean=mean, group=group, **options)
+        state.replace(params=params), batch, stop, mean=mean, group=group,
+        comm_dtype=comm_dtype, **options)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     state = _zero.apply(state, grads, comm_dtype)
     field = _grads.model_state_field(state)
