@@ -61,7 +61,8 @@ def hsdp_loss_collectives(comm_dtype: Any, group: int) -> None:
         raise ValueError(
             f"comm_dtype={comm_dtype!r} with shard_params={group} and a loss that calls "
             "collectives over jdp.AXIS: its gradients are reduced across the groups where each "
-            "layer computes them, in the compute dtype; drop comm_dtype, or sync the model state after the step (model_state_sync='mean')")
+            "layer computes them, in the compute dtype; drop comm_dtype, or sync the model "
+            "state after the step (model_state_sync='mean')")
 
 
 def trainable(params: Any) -> None:
