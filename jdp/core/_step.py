@@ -178,7 +178,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
             reduces that layer's gradient; an unrolled model is gathered whole. Gradients are
             reduced in `compute_dtype` (a different `comm_dtype` is refused). HSDP: an int k
             (or "node") splits within groups of k consecutive devices (a node's), replicated
-            across groups: gathers stay in a group, the gradient shards' reduction crosses.
+            across groups: gathers and per-layer reductions stay in a group, and the gradient
+            shards are summed across the groups once a step (in `comm_dtype`).
         compute_dtype: the loss sees floating parameters cast to this dtype (e.g.
             `jnp.bfloat16`; under `shard_params` they are gathered in it, half the bytes);
             gradients come back in the parameters' own dtype and are reduced in it (or in

@@ -21,7 +21,8 @@ split along `jdp.AXIS` there, and its optimizer-state leaves are stored the same
 (`jdp/core/_grads.py`'s `mapped_grads`) leaves the gathers to the compiler, so a scanned model
 gathers one layer at a time; the update runs on the logical arrays as above and the parameters
 are stored again, never whole outside the step. HSDP (`shard_params=k` or "node") stores the
-same way within groups of k consecutive devices (`_mesh.group_mesh`), replicated across them.
+same way within groups of k consecutive devices (`_mesh.group_mesh`), replicated across them;
+its step (`_grads._grouped_grads`) reduces across the groups once.
 """
 from __future__ import annotations
 
