@@ -70,10 +70,13 @@ def assert_params_close(got, want, **tol):
                                    **(tol or dict(rtol=1e-5, atol=1e-6)))
 
 
+@pytest.mark.parametrize("shard", [True, 4], ids=["fsdp", "hsdp4"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_three_steps_on_8_devices_equal_single_device_optax(name):
+def test_three_steps_on_8_devices_equal_single_device_optax(name, shard):
     data = batches(N * 4)
-    state, step = fsdp_state(optimizer(name)), jdp.train_step(mse, shard_params=True)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params0(),
+                                                tx=optimizer(name)), shard_params=shard)
+    step = jdp.train_step(mse, shard_params=shard)
     for b in data:
         state, metrics = step(state, jdp.shard(b))
     assert metrics["loss"].shape == ()
@@ -84,9 +87,10 @@ SIX = COMMON + """
 import sys, jdp
 out = {}
 for name in sys.argv[2].split(","):
+    shard = True if sys.argv[3] == "True" else int(sys.argv[3])
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params0(),
-                                                tx=optimizer(name)), shard_params=True)
-    step = jdp.train_step(mse, shard_params=True)
+                                                tx=optimizer(name)), shard_params=shard)
+    step = jdp.train_step(mse, shard_params=shard)
     for b in batches(jax.device_count() * 4):
         state, _ = step(state, jdp.shard(b))
     out[name] = {k: np.asarray(v).tolist() for k, v in jdp.unshard(state).params.items()}
@@ -98,16 +102,20 @@ open(sys.argv[1], "w").write(__import__("json").dumps(out))
 """
 
 
-def test_three_steps_on_6_devices_pad_what_6_does_not_divide_and_stay_exact(tmp_path):
+@pytest.mark.parametrize("shard, rows", [(True, 3), (3, 6)], ids=["fsdp", "hsdp3"])
+def test_three_steps_on_6_devices_pad_what_6_does_not_divide_and_stay_exact(tmp_path, shard,
+                                                                           rows):
+    """FSDP over 6 devices, and HSDP in 2 groups of 3: b1 16 -> 18 rows, w1 16 -> 18 columns
+    (its larger axis), w2 16 -> 18 rows, 18/6 or 18/3 per device."""
     script = write_script(tmp_path, "six.py", SIX)
     out = tmp_path / "out.json"
-    res = run_python([script, out, ",".join(OPTIMIZERS)], env=child_env(devices=6), timeout=300)
+    res = run_python([script, out, ",".join(OPTIMIZERS), str(shard)], env=child_env(devices=6),
+                     timeout=300)
     assert res.returncode == 0, res.stderr
     got = json.loads(out.read_text())
     for name in OPTIMIZERS:
         assert_params_close(got[name], single_device(optimizer(name), batches(6 * 4)))
-        # b1: 16 -> 18 rows, w1: 16 -> 18 columns (its larger axis), w2: 16 -> 18 rows
-        assert got[name + "_rows"] == [3, 3, 3]
+        assert got[name + "_rows"] == [rows] * 3
 
 
 def test_parameters_and_optimizer_state_are_one_nth_per_device_at_rest():
@@ -152,11 +160,14 @@ def test_batchnorm_accumulation_aux_and_dropout_rng_match_the_replicated_step():
             state, metrics = step(state, jdp.shard(b))
         return jdp.unshard(state), metrics
 
-    (want, wm), (got, gm) = run(), run(shard_params=True)
-    for a, b in zip(jax.tree.leaves((want.params, want.model_state, want.opt_state)),
-                    jax.tree.leaves((got.params, got.model_state, got.opt_state)), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(gm["out"]), float(wm["out"]), rtol=1e-5)
+    want, wm = run()
+    for shard in (True, 4):    # FSDP, and HSDP in groups of 4
+        got, gm = run(shard_params=shard)
+        for a, b in zip(jax.tree.leaves((want.params, want.model_state, want.opt_state)),
+                        jax.tree.leaves((got.params, got.model_state, got.opt_state)),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(gm["out"]), float(wm["out"]), rtol=1e-5)
 
 
 def test_eval_step_and_unshard_see_the_models_own_shapes():

@@ -198,3 +198,18 @@ def test_accumulation_clipped_adam_and_eval_step_under_hsdp():
                                                         axis=1)})(state, jdp.shard(data[0]))
     np.testing.assert_allclose(float(totals["sq"]) / float(totals["count"]),
                                float(loss(want, data[0])), rtol=1e-5)
+
+
+@pytest.mark.parametrize("tx", [optax.adam(optax.linear_schedule(1e-2, 1e-3, 3)),
+                                optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)],
+                         ids=["schedule", "multisteps"])
+def test_a_schedule_and_multisteps_under_hsdp_equal_single_device_optax(tx):
+    """Optimizer state that counts steps (a schedule, MultiSteps' accumulated gradient) is
+    stored and updated in groups as the parameters are, and trains exactly."""
+    data, loss = batches(N * 4, D, steps=4), mse_loss(scanned)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(L, D), tx=tx),
+                          shard_params=K)
+    step = jdp.train_step(loss, shard_params=K)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    assert_tree_close(jdp.unshard(state).params, single_device(loss, stacked(L, D), tx, data))
