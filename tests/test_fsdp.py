@@ -286,7 +286,8 @@ def test_two_processes_of_two_devices_equal_single_device_optax(tmp_path, tag):
         assert_params_close(dict(np.load(os.path.join(tmp_path, f"rank{rank}.npz"))), want)
 
 
-def test_bf16_compute_equals_single_device_training_with_the_same_cast():
+@pytest.mark.parametrize("shard", [True, 4], ids=["fsdp", "hsdp4"])
+def test_bf16_compute_equals_single_device_training_with_the_same_cast(shard):
     """The policy itself, exactly: each device's loss sees bf16 parameters and a bf16 batch, its
     bf16 gradient is averaged over the devices (in bf16, as FSDP2's default reduce dtype), comes
     back in float32 and updates float32 master parameters."""
@@ -307,8 +308,9 @@ def test_bf16_compute_equals_single_device_training_with_the_same_cast():
     for b in data:
         updates, opt_state = tx.update(device_grads(params, b), opt_state, params)
         params = optax.apply_updates(params, updates)
-    state = fsdp_state(tx)
-    step = jdp.train_step(mse, shard_params=True, compute_dtype=jnp.bfloat16)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params0(), tx=tx),
+                          shard_params=shard)
+    step = jdp.train_step(mse, shard_params=shard, compute_dtype=jnp.bfloat16)
     for b in data:
         state, _ = step(state, jdp.shard(b))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
