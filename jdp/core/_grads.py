@@ -238,12 +238,12 @@ def _grouped_grads(loop, params, group, comm_dtype):
     try:
         grads, ms, losses, metrics = loop(copies, _grouped_map(group))
     except NameError as e:       # the loss named AXIS: unbound under the two-level map
-        if AXIS not in str(e):
+        if "unbound axis name" not in str(e) or AXIS not in str(e):
             raise
         _checks.hsdp_loss_collectives(comm_dtype, group)
         return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD)))
-    return jax.tree.map(lambda g: _across_groups(g, group, comm_dtype), grads), ms, losses, \
-        metrics
+    grads = jax.tree.map(lambda g: _across_groups(g, group, comm_dtype), grads)
+    return grads, ms, losses, metrics
 
 
 def _group_spec(shape, first=()):
