@@ -70,8 +70,12 @@ print("FINAL " + json.dumps({"round": r, "step": n, "world": jax.process_count()
 
 
 def records(text: str, kind: str) -> list:
-    """The `kind` records of complete lines (a rank killed mid-print leaves a partial one)."""
-    return [json.loads(line.split(kind + " ", 1)[1]) for line in text.split("\n")[:-1]
+    """The `kind` records of complete lines (a rank killed mid-print leaves a partial one).
+
+    `print` writes the record and its newline in two writes, so gloo's own log line on the
+    shared stderr can land between them: each record is the JSON value at the line's start."""
+    decode = json.JSONDecoder().raw_decode
+    return [decode(line[len(kind) + 1:])[0] for line in text.split("\n")[:-1]
             if line.startswith(kind + " ")]
 
 
