@@ -159,14 +159,14 @@ def test_spawn_mlp_example_trains_one_epoch_and_its_loss_falls(tag):
     assert last < first * 0.8
 
 
-def test_demo_reaches_96_percent_on_held_out_mnist5k_median_over_seeds_0_to_3(tmp_path):
+def test_demo_reaches_96_percent_on_held_out_mnist5k_median_over_seeds_0_to_2(tmp_path):
     """What `make demo` runs (the defaults: mnist5k, 8 simulated devices, no network), for
-    seeds 0-3 in one process; the held-out split's accuracy, median over the seeds."""
+    seeds 0-2 in one process; the held-out split's accuracy, median over the seeds."""
     code = f"""
 import json, sys
 sys.path.insert(0, {EXAMPLES!r})
 import mnist
-for seed in range(4):
+for seed in range(3):
     record = mnist.main(["--quiet", "--seed", str(seed), "--output-dir", {str(tmp_path)!r}])
     print("ACCURACY", json.dumps(record["test_accuracy"]), record["epoch"], flush=True)
 """
@@ -175,6 +175,6 @@ for seed in range(4):
     assert "training on 8 devices in 1 processes" in result.stdout
     found = re.findall(r"ACCURACY ([\d.]+) (\d+)", result.stdout)
     accuracies = sorted(float(a) for a, _ in found)
-    print("held-out accuracy, seeds 0-3:", accuracies)
-    assert len(accuracies) == 4 and {int(e) for _, e in found} == {10}
+    print("held-out accuracy, seeds 0-2:", accuracies)
+    assert len(accuracies) == 3 and {int(e) for _, e in found} == {10}
     assert np.median(accuracies) >= 0.96, accuracies
