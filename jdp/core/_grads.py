@@ -131,7 +131,7 @@ def device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
 
 
 def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync,
-                 mean, compute_dtype, comm_dtype=None, group=None):
+                 mean, compute_dtype, comm_dtype=None, group=None, split_axes=None):
     """FSDP's gradient at jit level: every device's loss under `jax.vmap` over `AXIS`.
 
     The parameters enter the map unbatched and stay split as stored, so the compiler gathers
@@ -140,8 +140,8 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     map, so the sum over devices is the transpose of each use's broadcast: reduced (and split
     again) layer by layer, in `compute_dtype` (the parameters are cast before the map, so they
     are gathered in it too). Collectives over `AXIS` in the loss work as under `shard_map`.
-    HSDP (`group`): `_grouped_grads`. Returns (gradients, synced model state, metrics with the
-    stop flag), all global.
+    HSDP (`group`, each parameter split on its `split_axes`): `_grouped_grads`. Returns
+    (gradients, synced model state, metrics with the stop flag), all global.
     """
     n, k = _mesh.mesh().size, accum_steps
     field = model_state_field(state)
@@ -154,7 +154,8 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     loop = functools.partial(_mapped_loop, state, micro, ms, loss_fn=loss_fn, has_aux=has_aux,
                              k=k, scale=n if mean else 1, compute_dtype=compute_dtype)
     if group:
-        grads, ms, losses, metrics = _grouped_grads(loop, state.params, group, comm_dtype)
+        grads, ms, losses, metrics = _grouped_grads(loop, state.params, split_axes, group,
+                                                    comm_dtype)
     else:
         grads, ms, losses, metrics = loop(state.params, _flat_map(AXIS))
     grads = jax.tree.map(lambda g: g / k, grads) if k > 1 else grads
@@ -221,7 +222,7 @@ def _grouped_map(group):
     return mapped, (_GROUPS, _IN_GROUP)
 
 
-def _grouped_grads(loop, params, group, comm_dtype):
+def _grouped_grads(loop, params, axes, group, comm_dtype):
     """HSDP's gradient: reduced within a group layer by layer, across the groups once a step.
 
     Each group differentiates its own copy of the parameters (`[groups, ...]`: per device the
@@ -234,7 +235,8 @@ def _grouped_grads(loop, params, group, comm_dtype):
     be the compute dtype).
     """
     groups = _mesh.mesh().size // group
-    copies = jax.tree.map(lambda p: _copies(p, groups, group), params)
+    each = functools.partial(jax.tree.map, is_leaf=lambda a: a is None)  # over `axes` first
+    copies = each(lambda a, p: _copies(p, a, groups, group), axes, params)
     try:
         grads, ms, losses, metrics = loop(copies, _grouped_map(group))
     except NameError as e:       # the loss named AXIS: unbound under the two-level map
@@ -242,32 +244,25 @@ def _grouped_grads(loop, params, group, comm_dtype):
             raise
         _checks.hsdp_loss_collectives(comm_dtype, group)
         return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD)))
-    grads = jax.tree.map(lambda g: _across_groups(g, group, comm_dtype), grads)
+    grads = each(lambda a, g: _across_groups(g, a, group, comm_dtype), axes, grads)
     return grads, ms, losses, metrics
 
 
-def _group_spec(shape, first=()):
-    """The PartitionSpec of a parameter of `shape` split within a group (`_zero.shard_axis`),
-    after the leading axes `first`."""
-    axis = _zero.shard_axis(tuple(shape))
-    return P(*first, *([] if axis is None else [None] * axis + [_mesh.SHARD]))
+def _copies(p, axis, groups, group):
+    """`groups` copies of parameter `p`, one per group, each split on `axis` within its group
+    as `p` is stored (None: replicated)."""
+    split = [] if axis is None else [None] * axis + [_mesh.SHARD]
+    return lax.with_sharding_constraint(
+        jnp.broadcast_to(p, (groups, *jnp.shape(p))),
+        NamedSharding(_mesh.group_mesh(group), P(_mesh.REPLICA, *split)))
 
 
-def _copies(p, groups, group):
-    """`groups` copies of parameter `p`, one per group, each split within its group as `p` is."""
-    spec = _group_spec(jnp.shape(p), first=(_mesh.REPLICA,))
-    return lax.with_sharding_constraint(jnp.broadcast_to(p, (groups, *jnp.shape(p))),
-                                        NamedSharding(_mesh.group_mesh(group), spec))
-
-
-def _across_groups(g, group, comm_dtype):
+def _across_groups(g, axis, group, comm_dtype):
     """The sum of the groups' gradients `g[groups, ...]`, sent in `comm_dtype` (None: as is):
-    one all-reduce of each device's shard across the groups."""
+    one all-reduce of each device's shard across the groups, left split on `axis` as stored."""
     sent = g.astype(comm_dtype) if comm_dtype is not None else g
     summed = lax.reduce(sent, jnp.zeros((), sent.dtype), lax.add, (0,))  # in its dtype: no upcast
-    total = lax.with_sharding_constraint(
-        summed, NamedSharding(_mesh.group_mesh(group), _group_spec(g.shape[1:])))
-    return total.astype(g.dtype)
+    return lax.with_sharding_constraint(summed, _zero.split_on(axis, group)).astype(g.dtype)
 
 
 def _merge_model_state(ms: Any, how: str | None) -> Any:

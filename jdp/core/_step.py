@@ -114,7 +114,7 @@ def _fsdp_train_step(state, batch, stop, *, mean, comm_dtype, **options):
     params, group = _zero.logical(state.params), _zero.params_group(state.params)
     grads, new_ms, metrics = _grads.mapped_grads(
         state.replace(params=params), batch, stop, mean=mean, group=group,
-        comm_dtype=comm_dtype, **options)
+        split_axes=_zero.split_axes(state.params), comm_dtype=comm_dtype, **options)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     state = _zero.apply(state, grads, comm_dtype)
     field = _grads.model_state_field(state)

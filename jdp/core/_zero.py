@@ -279,6 +279,12 @@ def params_group(params: Any) -> int | None:
                  if is_sharded(x)), None)
 
 
+def split_axes(params: Any) -> Any:
+    """Each parameter's split axis as stored (`Sharded.axis`; None for a replicated leaf)."""
+    return jax.tree.map(lambda x: x.axis if is_sharded(x) else None, params,
+                        is_leaf=is_sharded)
+
+
 def logical(params: Any) -> Any:
     """Parameters in the model's own shapes (jit context): `Sharded` leaves unpadded, kept
     split as stored; other leaves as they are."""
