@@ -128,20 +128,26 @@ def last_final(tmp_path, node: int) -> dict:
     return max(records(rank_log(tmp_path, node), "FINAL"), key=lambda rec: rec["round"])
 
 
-def trained_once(tmp_path, nodes) -> Counter:
-    """How often each example id was trained in the steps the final state descends from."""
+def kept_steps(tmp_path, nodes) -> list:
+    """Every rank's IDS records of the steps the final state descends from: round q's steps up
+    to the step round q+1 restored from."""
     starts, steps = {}, []
     for node in nodes:
         text = rank_log(tmp_path, node)
         starts.update({rec["round"]: rec["from"] for rec in records(text, "START")})
         steps += records(text, "IDS")
     rounds = sorted(starts)
-    kept = Counter()
+    kept = []
     for rec in steps:
         later = [starts[q] for q in rounds if q > rec["round"]]
         if not later or rec["step"] <= later[0]:   # not redone by the round after
-            kept.update(rec["ids"])
+            kept.append(rec)
     return kept
+
+
+def trained_once(tmp_path, nodes) -> Counter:
+    """How often each example id was trained in the steps the final state descends from."""
+    return Counter(i for rec in kept_steps(tmp_path, nodes) for i in rec["ids"])
 
 
 def stop_all(nodes) -> None:
@@ -186,26 +192,19 @@ def replay(tmp_path, nodes) -> np.ndarray:
     every rank logged for it (the loss: the masked squared error over the global batch)."""
     import jax
     import optax
-    starts, steps = {}, {}
-    for node in nodes:
-        text = rank_log(tmp_path, node)
-        starts.update({rec["round"]: rec["from"] for rec in records(text, "START")})
-        for rec in records(text, "IDS"):
-            steps.setdefault((rec["round"], rec["step"]), (rec["rows"], []))[1].extend(rec["ids"])
+    steps = {}           # (round, step) -> (global batch rows, every rank's example ids)
+    for rec in kept_steps(tmp_path, nodes):
+        steps.setdefault((rec["round"], rec["step"]), (rec["rows"], []))[1].extend(rec["ids"])
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, 4)).astype(np.float32)
     y = x @ rng.normal(size=(4, 6)).astype(np.float32)
     tx, w = optax.sgd(0.05, momentum=0.9), np.zeros((4, 6), np.float32)
     opt = tx.init(w)
-    rounds = sorted(starts)
 
     def loss(w, ids, rows):
         return ((x[ids] @ w - y[ids]) ** 2).sum() / rows
 
-    for (r, n), (rows, ids) in sorted(steps.items()):
-        later = [starts[q] for q in rounds if q > r]
-        if later and n > later[0]:
-            continue                                    # redone by the next round
+    for _, (rows, ids) in sorted(steps.items()):
         grad = jax.grad(loss)(w, np.asarray(ids), rows)
         updates, opt = tx.update(grad, opt, w)
         w = optax.apply_updates(w, updates)
