@@ -128,7 +128,7 @@ def plot_predictions(test_batch, pred):
 from jax.experimental.multihost_utils import process_allgather
 from tensorboardX import SummaryWriter
 import tensorboard
-writer = SummaryWriter(filename_suffix=f'.rank{jax.process_index()}')  # a file per rank
+writer = SummaryWriter(comment=f'.rank{jax.process_index()}')  # a directory per rank
 
 # %load_ext tensorboard
 # %tensorboard --logdir runs
