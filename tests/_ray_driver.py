@@ -3,7 +3,8 @@ with 2 workers whose loop calls only `jdp.initialize()` (no mapping of Ray's con
 
     python tests/_ray_driver.py STORAGE_DIR train kill
 
-train: the engine tests' loop (tests/_engine_train.py; every worker prints its losses).
+train: the engine tests' loop (tests/_engine_train.py; every worker prints its losses), then
+each worker prints the processes on its node ("NODE rank count").
 kill: collectives until worker 1 kills itself with SIGKILL at step 20; fit() must raise.
 Runs the modes in order on one cluster; prints "FIT <mode> OK" or "FIT <mode> FAILED <type>:
 <message on one line>" for each.
@@ -19,7 +20,11 @@ from ray.train.v2.jax import JaxTrainer
 
 def train(config):
     import _engine_train
+
+    import jdp.distributed
     _engine_train.main()
+    # both workers run on this one node: what shard_params="node" multiplies its devices by
+    print(f"NODE {jdp.process_index()} {jdp.distributed.processes_per_node()}", flush=True)
 
 
 def kill(config):

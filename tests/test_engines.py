@@ -212,3 +212,54 @@ def test_an_engine_seen_without_what_it_needs_is_a_one_line_error(env, words):
 
     from jdp.distributed import _init
     one_line_error(ValueError, words, _init._plan, None, None, None, None, None, env)
+
+
+@pytest.mark.parametrize("env, count", [
+    ({"LOCAL_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 4),   # jdp.launch, torchrun
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 2),                            # mpirun
+    ({"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"}, 4),         # srun, sbatch's list
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,2(x2)", "SLURM_TASKS_PER_NODE": "8", "SLURM_NODEID": "2"},
+     2),                                                                 # the step's own list
+    ({"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "4"}, 1),   # one per machine
+    ({"HOME": "/root"}, 1),
+])
+def test_each_engine_says_how_many_processes_share_a_node(env, count):
+    """What shard_params="node" multiplies this process's devices by (Ray: tests/test_ray.py)."""
+    from jdp.distributed import processes_per_node
+    assert processes_per_node(env) == count
+
+
+UNEQUAL = """
+import numpy as np, optax, jdp
+jdp.initialize()
+state = jdp.TrainState.create(apply_fn=None, params={"w": np.zeros((4, 8, 8), np.float32)},
+                              tx=optax.sgd(0.1))
+jdp.broadcast(state, shard_params="node")
+print("NOT REFUSED")
+"""
+
+
+@pytest.mark.parametrize("devices, local_sizes, words", [
+    ((1, 2), ("1", "1"), ["jdp.broadcast: the processes hold different numbers of devices",
+                          "process 0 has 1, process 1 has 2", "--devices_per_process"]),
+    ((2, 2), ("1", "2"), ['shard_params="node": the processes disagree on devices per node',
+                          "2 on process(es) 0 but 4 on process(es) 1", "shard_params=k"]),
+])
+def test_processes_of_unequal_devices_or_nodes_are_a_one_line_error_on_each(
+        tmp_path, devices, local_sizes, words):
+    """Processes with different device counts cannot share one data mesh, and nodes of
+    different sizes cannot split a model alike: each process says so, none hangs."""
+    from conftest import write_script
+    script = write_script(tmp_path, "unequal.py", UNEQUAL)
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, script], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=child_env(devices[r], JAX_COORDINATOR_ADDRESS=address,
+                                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(r),
+                                            OMPI_COMM_WORLD_LOCAL_SIZE=local_sizes[r]))
+             for r in (0, 1)]
+    logs = finish(procs, 120)
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 1 and "NOT REFUSED" not in log, log
+        error = log.strip().splitlines()[-1]
+        assert error.startswith("ValueError: ") and all(w in error for w in words), log

@@ -39,6 +39,7 @@ def test_jax_trainer_workers_train_one_job_and_a_killed_worker_is_named(tmp_path
         assert f"jdp: joined as process {rank} of 2 via Ray Train" in out, out[-5000:]
         got = re.findall(rf"LOSSES {rank} 2 (\[.*\])", out)
         assert got and set(got) == expected, (got, expected)
+        assert f"NODE {rank} 2" in out, out[-5000:]      # Ray's 2 workers share this node
     failed = next(line for line in out.splitlines() if line.startswith("FIT kill"))
     assert failed.startswith("FIT kill FAILED"), failed
     assert "[Rank 1 Error Snippet]" in failed and "died" in failed, failed

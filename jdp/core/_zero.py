@@ -27,7 +27,6 @@ its step (`_grads._grouped_grads`) reduces across the groups once.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -38,6 +37,7 @@ from jax import lax
 
 from jdp.core import _mesh
 from jdp.core._mesh import AXIS
+from jdp.distributed import devices_per_node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def group_size(shard_params: Any) -> int | None:
     n = _mesh.mesh().size
     k = shard_params
     if shard_params == "node":
-        k = jax.local_device_count() * _processes_per_node()
+        k = devices_per_node()
     if k is True:
         return None
     if isinstance(k, bool) or not isinstance(k, int) or k < 2 or n % k:
@@ -106,16 +106,6 @@ def opt_axis(shape: tuple[int, ...], fsdp: bool) -> int | None:
 
 def is_sharded(x: Any) -> bool:
     return isinstance(x, Sharded)
-
-
-def _processes_per_node() -> int:
-    """This node's process count, as the launcher (torchrun's LOCAL_WORLD_SIZE), Open MPI or
-    SLURM (`SLURM_TASKS_PER_NODE`, e.g. "4(x2)") says; 1 when none does."""
-    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_TASKS_PER_NODE"):
-        value = os.environ.get(name, "").split("(")[0].split(",")[0]
-        if value.isdigit():
-            return int(value)
-    return 1
 
 
 def padded_rows(rows: int, n: int) -> int:

@@ -16,9 +16,10 @@ from jdp.distributed._group import (
 from jdp.distributed._group import broadcast as broadcast_for
 from jdp.distributed._init import barrier, initialize, shutdown
 from jdp.distributed._log import get_logger, print0
+from jdp.distributed._node import devices_per_node, processes_per_node
 from jdp.distributed._pieces import agree_once
 
 __all__ = ["AGREE_TIMEOUT_S", "agree", "agree_once", "barrier", "broadcast_for",
-           "broadcast_from_primary",
+           "broadcast_from_primary", "devices_per_node",
            "get_logger", "initialize", "is_primary", "print0", "process_count", "process_index",
-           "require_job", "shutdown"]
+           "processes_per_node", "require_job", "shutdown"]

@@ -7,6 +7,7 @@ turns into an error on every process, naming what differs and where, instead of 
 """
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -55,7 +56,20 @@ def require_job(who: str) -> None:
                 f"{who}: this process runs under a launcher ({launched}) but jdp.initialize() "
                 "was not called, so every rank would train alone: call jdp.initialize() first "
                 "in main")
+    if jax.distributed.is_initialized():
+        _same_devices_everywhere(who)
     _job_checked = True
+
+
+def _same_devices_everywhere(who: str) -> None:
+    """Every process must hold as many devices as the others: the data mesh and the batches
+    split alike over them. Read from the global device list, so it needs no message."""
+    counts = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"process {p} has {n}" for p, n in sorted(counts.items())[:4])
+        raise ValueError(f"{who}: the processes hold different numbers of devices ({shown}"
+                         f"{', ...' if len(counts) > 4 else ''}); start each with the same "
+                         "count (jdp.launch --devices_per_process, CUDA_VISIBLE_DEVICES)")
 
 
 def _launcher_variables(env: Any) -> str:
