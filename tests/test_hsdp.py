@@ -29,22 +29,27 @@ def large_collectives(text: str, min_bytes: int = 1024) -> list[tuple[str, list,
             if size > min_bytes]
 
 
-WITHIN, ACROSS = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
+def device_groups(n: int, k: int) -> tuple[list, list]:
+    """The replica groups within the groups of k consecutive devices of n, and across them."""
+    return ([tuple(range(i, i + k)) for i in range(0, n, k)],
+            [tuple(range(j, n, k)) for j in range(k)])
 
 
-def assert_hsdp_collectives(text: str, layers: int = L, shard_bytes: int | None = None):
-    """The compiled step's large collectives: gathers and reductions within the groups of 4,
+def assert_hsdp_collectives(text: str, layers: int = L, shard_bytes: int | None = None,
+                            n: int = N, k: int = K):
+    """The compiled step's large collectives: gathers and reductions within the groups of k,
     run layer by layer; across the groups only all-reduces, each once a step (the gradient
     shards; `shard_bytes` in all when given): nothing per layer crosses a group."""
+    within, across = device_groups(n, k)
     found = large_collectives(text)
     assert any(kind == "all-gather" and runs >= layers for kind, _, runs in found), found
-    crossing = [(kind, runs) for kind, groups, runs in found if groups != WITHIN]
+    crossing = [(kind, runs) for kind, groups, runs in found if groups != within]
     assert crossing and all(k == "all-reduce" for k, _ in crossing), found
     assert all(runs == 1 for _, runs in crossing), found      # once a step, not per layer
-    assert all(groups in (WITHIN, ACROSS) for _, groups, _ in found), found
+    assert all(groups in (within, across) for _, groups, _ in found), found
     if shard_bytes is not None:
         got = sum(size * runs for kind, size, groups, runs in hlo.grouped(text)
-                  if groups == ACROSS and size > 1024)
+                  if groups == across and size > 1024)
         assert got == shard_bytes, (got, shard_bytes)
 
 
@@ -137,16 +142,20 @@ def test_a_checkpoint_saved_under_hsdp_restores_under_fsdp_replicated_and_back(t
 
 
 NODES = """
-import sys, json, jax, jax.numpy as jnp, numpy as np, optax, jdp
+import os, sys, json, jax, jax.numpy as jnp, numpy as np, optax, jdp
 from jax import lax
 jdp.initialize()
 out = sys.argv[1]
 exec(open(sys.argv[2]).read())               # the shared model and data: stacked, scanned, ...
+shard = os.environ.get("SHARD", "node")      # "node", or a group size
+shard = int(shard) if shard.isdigit() else shard
 loss = lambda p, b: jnp.mean((scanned(p, b["x"]) - b["y"]) ** 2)
 tx = optax.sgd(0.05, momentum=0.9)
 state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(4, 64), tx=tx),
-                      shard_params="node")
-step = jdp.train_step(loss, shard_params="node")
+                      shard_params=shard)
+node = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(4, 64), tx=tx),
+                     shard_params="node").params["w"].group   # None: the node is every device
+step = jdp.train_step(loss, shard_params=shard)
 per = 32 // jax.process_count()
 mine = slice(jax.process_index() * per, (jax.process_index() + 1) * per)
 data = batches(32, 64)
@@ -159,6 +168,7 @@ np.savez(f"{out}/rank{jax.process_index()}.npz", **{k: np.asarray(v) for k, v in
 if jax.process_index() == 0:
     open(f"{out}/step.hlo", "w").write(text)
     open(f"{out}/group.json", "w").write(json.dumps(state.params["w"].group))
+    open(f"{out}/node.json", "w").write(json.dumps(node))
 """
 
 
@@ -179,8 +189,19 @@ def test_shard_params_node_on_two_nodes_of_four_devices(tmp_path, tag, processes
     want = single_device(mse_loss(scanned), stacked(4, 64), TX, data)
     for rank in range(2 * processes):
         assert_tree_close(dict(np.load(tmp_path / f"rank{rank}.npz")), want)
-    assert (tmp_path / "group.json").read_text() == "4"
+    assert (tmp_path / "group.json").read_text() == (tmp_path / "node.json").read_text() == "4"
     assert_hsdp_collectives((tmp_path / "step.hlo").read_text())
+
+
+def assert_node_job(out, processes: int, devices: int, k: int):
+    """What `NODES` left in `out`, run by an engine on this one machine with SHARD=k: every
+    rank's model equals single-device optax's, split in groups of k; "node" is all devices."""
+    want = single_device(mse_loss(scanned), stacked(4, 64), TX, batches(32, 64))
+    for rank in range(processes):
+        assert_tree_close(dict(np.load(out / f"rank{rank}.npz")), want)
+    assert (out / "group.json").read_text() == str(k)
+    assert (out / "node.json").read_text() == "null"
+    assert_hsdp_collectives((out / "step.hlo").read_text(), n=processes * devices, k=k)
 
 
 def test_accumulation_clipped_adam_and_eval_step_under_hsdp():
