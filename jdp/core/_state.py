@@ -69,8 +69,8 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False,
             with `jdp.train_step(..., shard_params=True)`; `jdp.unshard(state)` gives plain
             replicated arrays in the model's own shapes. HSDP: an int k splits within groups
             of k consecutive devices and replicates across the groups; "node" within each
-            node's devices (this process's devices x the processes per node, from
-            LOCAL_WORLD_SIZE, Open MPI or SLURM); the step takes the same value.
+            node's devices (this process's devices x the processes per node, as the
+            engine says: `jdp.distributed.processes_per_node`); the step takes the same value.
 
     Returns:
         The same structure with global `jax.Array` leaves.
