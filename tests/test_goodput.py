@@ -65,7 +65,10 @@ def test_a_rank_that_sleeps_before_every_step_is_the_only_straggler(tmp_path, ta
     total = sum(summary["buckets_s"].values())
     print(f"measured {wall:.2f} s, summary wall {summary['wall_s']:.2f} s, buckets {total:.2f} s:"
           f" {summary['buckets_s']}; stragglers {summary['stragglers']}")
-    assert abs(total - wall) < 0.05 * wall
+    # The buckets add up to the launcher's wall clock, which is what the test measured less the
+    # launcher's own imports and exit (0.5 s idle here, more under load: 2 s allowed).
+    assert total == pytest.approx(summary["wall_s"], rel=0.01)
+    assert 0 <= wall - summary["wall_s"] < 0.05 * wall + 2.0, (wall, summary["wall_s"])
     assert [s["rank"] for s in summary["stragglers"]] == [1], summary["stragglers"]
     straggler = summary["stragglers"][0]
     # Rank 1 sets the pace: a step takes at least its sleep, and it arrives last by >= one.
