@@ -61,6 +61,21 @@ def test_gathers_stay_in_a_group_and_only_the_shards_reduction_crosses_groups():
     assert_hsdp_collectives(text, shard_bytes=model_bytes // K)
 
 
+def test_a_device_holds_a_quarter_of_the_model_and_the_groups_hold_the_same_quarters():
+    """At rest every parameter and momentum leaf is split 4 ways within a group; device d and
+    device d + 4 (the same place in the other group) hold the same slice."""
+    state = hsdp_state()
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    assert len(leaves) == 4                      # w, b and their momentum
+    for x in leaves:
+        shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
+        assert all(s.data.size * K == x.size for s in shards), (x.shape, shards[0].data.shape)
+        assert [str(s.index) for s in shards[:K]] == [str(s.index) for s in shards[K:]]
+        assert len({str(s.index) for s in shards}) == K
+    per_device = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(state.params))
+    assert per_device * K == sum(np.size(x) for x in jax.tree.leaves(stacked(L, D)))
+
+
 def test_accumulation_and_comm_dtype_still_cross_once_a_step_in_bf16():
     """With 2 micro-batches the cross-group all-reduce still runs once, after them, and with
     comm_dtype=bf16 the groups' gradients are summed in bf16, while training stays within
