@@ -31,10 +31,16 @@ def mpirun_command(script, forward, *args) -> list:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the launcher's own pick)."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the launcher's own pick),
+    with the next port free too: a launcher of several nodes takes it as its --rdzv_port."""
     from jdp.job.net import free_port as pick  # imported late: jax must see XLA_FLAGS first
+    from jdp.job.net import port_problem
 
-    return pick("127.0.0.1")
+    for _ in range(100):
+        port = pick("127.0.0.1")
+        if port < 65535 and port_problem("127.0.0.1", port + 1, settle_s=0) is None:
+            return port
+    return port
 
 
 def child_env(devices: int = 1, **extra: str) -> dict:

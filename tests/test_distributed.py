@@ -129,6 +129,23 @@ def test_coordinator_port_in_use_on_process_0_raises(tmp_path):
     assert f"MASTER_PORT={port} is already in use" in done.stdout
 
 
+def test_a_port_held_for_a_moment_counts_as_free_once_let_go():
+    """An outgoing connection may hold a port as its source for a moment; the port check
+    tries again for `settle_s` before calling the port busy, and a port held longer is busy."""
+    import threading
+
+    from jdp.job import net
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    threading.Timer(0.5, busy.close).start()
+    assert "already in use" in net.port_problem("127.0.0.1", port, settle_s=0)
+    start = time.monotonic()
+    assert net.port_problem("127.0.0.1", port, settle_s=5) is None
+    assert 0.3 < time.monotonic() - start < 5
+
+
 def test_unreachable_coordinator_raises_within_the_init_timeout(tmp_path):
     script = write_script(tmp_path, "init.py", TRY_INIT)
     done = run_python([script], env=job_env("unreachable", WORLD_SIZE="2", RANK="1",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import queue
 import socket
 import time
@@ -26,30 +27,45 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def port_problem(host: str, port: int, what: str = "MASTER_PORT") -> str | None:
+def port_problem(host: str, port: int, what: str = "MASTER_PORT",
+                 settle_s: float = 2.0) -> str | None:
     """Why the coordinator could not listen on `host:port` here (a one-line message naming
     the setting `what` and the fix), or None if it could.
 
     The test is a real bind with SO_REUSEADDR (as gRPC does), so ports in TIME_WAIT count as
-    free but a port with a listener does not.
+    free but a port with a listener does not. A port found in use is tried again for
+    `settle_s` seconds: an outgoing connection may hold it for a moment as its source port
+    (connect() draws from the same range as the ports the OS hands out).
     """
     try:
         family, sockaddr = resolve(host, port)
     except OSError as e:
         return (f"MASTER_ADDR={host!r} does not resolve ({e}); set it to an address or host "
                 "name of the machine that runs process 0")
+    deadline = time.monotonic() + settle_s
+    while (code := _bind_error(family, sockaddr)) == errno.EADDRINUSE and (
+            time.monotonic() < deadline):
+        time.sleep(0.1)
+    if code is None:
+        return None
+    if code == errno.EADDRINUSE:
+        return (f"{what}={port} is already in use on {host}; choose a free port (or "
+                "leave it out on a single node to get one) or stop the process holding it")
+    if code == errno.EADDRNOTAVAIL:
+        return (f"MASTER_ADDR={host!r} is not an address of this machine, but process 0 "
+                "runs here and must listen on it; use this machine's address")
+    return (f"cannot listen on {join_host_port(host, port)} ({os.strerror(code)}); choose "
+            f"another {what}")
+
+
+def _bind_error(family: int, sockaddr: tuple) -> int | None:
+    """The errno of binding a listening-style socket to `sockaddr`, or None if it binds."""
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(sockaddr)
         except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return (f"{what}={port} is already in use on {host}; choose a free port (or "
-                        "leave it out on a single node to get one) or stop the process holding it")
-            if e.errno == errno.EADDRNOTAVAIL:
-                return (f"MASTER_ADDR={host!r} is not an address of this machine, but process 0 "
-                        "runs here and must listen on it; use this machine's address")
-            return f"cannot listen on {join_host_port(host, port)} ({e}); choose another {what}"
+            return e.errno or -1
     return None
 
 
@@ -117,11 +133,15 @@ def connect(host: str, port: int, timeout_s: float) -> socket.socket | None:
     while True:
         left = deadline - time.monotonic()
         try:
-            return socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0)))
+            conn = socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0)))
+            if conn.getsockname() != conn.getpeername():
+                return conn
+            conn.close()   # TCP connected this socket to itself: nobody listens there yet
         except OSError:
-            if time.monotonic() + 0.1 >= deadline:
-                return None
-            time.sleep(0.1)
+            pass
+        if time.monotonic() + 0.1 >= deadline:
+            return None
+        time.sleep(0.1)
 
 
 def receive_one(conn: socket.socket, timeout_s: float) -> dict | None:
