@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
+
+from benchmarks import harness, report
+from benchmarks.overhead import burst
 
 
 def _model(width: int, layers: int, batch: int):
@@ -51,15 +53,6 @@ def _hand_step(loss_fn, dtype):
     return step
 
 
-def _burst(step, state, batch, n: int):
-    import jax
-    start = time.perf_counter()
-    for _ in range(n):
-        state, metrics = step(state, batch)
-    jax.block_until_ready((state, metrics))
-    return (time.perf_counter() - start) / n, state
-
-
 def _max_diff(a, b) -> float:
     import jax
     import numpy as np
@@ -87,16 +80,14 @@ def measure(placing: str, dtype_name: str, width: int, layers: int, batch: int,
     batches = {"jdp": jdp.shard(data), "jax.jit": jax.device_put(data)}
     runs = {"jdp": ours, "jax.jit": hand}
     for name in runs:   # compile, and 3 steps from the same start for the exactness column
-        _, states[name] = _burst(runs[name], states[name], batches[name], 3)
+        _, states[name] = burst(runs[name], states[name], batches[name], 3)
     diff = _max_diff(jdp.unshard(states["jdp"]).params, states["jax.jit"].params)
-    times: dict = {name: [] for name in runs}
-    ratios = []
-    for i in range(reps):
-        burst = {}
-        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
-            burst[name], states[name] = _burst(runs[name], states[name], batches[name], steps)
-            times[name].append(burst[name])
-        ratios.append(burst["jdp"] / burst["jax.jit"])
+
+    def timed(name: str) -> float:
+        seconds, states[name] = burst(runs[name], states[name], batches[name], steps)
+        return seconds
+    times = harness.interleave(timed, list(runs), reps)
+    ratios = [a / b for a, b in zip(times["jdp"], times["jax.jit"], strict=True)]
     return {"placing": placing, "dtype": dtype_name, "diff": diff,
             "jdp_ms": statistics.median(times["jdp"]) * 1e3,
             "jit_ms": statistics.median(times["jax.jit"]) * 1e3,
@@ -104,13 +95,11 @@ def measure(placing: str, dtype_name: str, width: int, layers: int, batch: int,
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| placement | compute | jax.jit ms / step | jdp.train_step ms / step | "
-             "jdp / jax.jit | max param diff after 3 steps |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['placing']} | {r['dtype']} | {r['jit_ms']:.3f} | {r['jdp_ms']:.3f} | "
-                     f"{r['ratio']:.3f} | {r['diff']:.1e} |")
-    return "\n".join(lines) + "\n"
+    return report.table(
+        ["placement", "compute", "jax.jit ms / step", "jdp.train_step ms / step",
+         "jdp / jax.jit", "max param diff after 3 steps"],
+        [[r["placing"], r["dtype"], f"{r['jit_ms']:.3f}", f"{r['jdp_ms']:.3f}",
+          f"{r['ratio']:.3f}", f"{r['diff']:.1e}"] for r in rows])
 
 
 def main(argv=None) -> None:

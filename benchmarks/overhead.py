@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import harness, report
+
 DEVICES_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
 
 
@@ -44,7 +46,7 @@ def _setup(leaves: int):
     return steps
 
 
-def _burst(step, state, batch, n: int):
+def burst(step, state, batch, n: int):
     """`n` steps; seconds per step, and the state to continue from."""
     import jax
 
@@ -60,17 +62,14 @@ def measure(leaves: int, reps: int, steps: int) -> dict:
     variants = _setup(leaves)
     states = {k: v[1] for k, v in variants.items()}
     for name, (step, _, batch) in variants.items():   # compile and warm up
-        _, states[name] = _burst(step, states[name], batch, 20)
-    times: dict = {name: [] for name in variants}
-    ratios = []
-    for i in range(reps):
-        order = list(variants) if i % 2 == 0 else list(variants)[::-1]
-        burst = {}
-        for name in order:
-            step, _, batch = variants[name]
-            burst[name], states[name] = _burst(step, states[name], batch, steps)
-            times[name].append(burst[name])
-        ratios.append(burst["jdp"] / burst["jax.jit"])
+        _, states[name] = burst(step, states[name], batch, 20)
+
+    def timed(name: str) -> float:
+        step, _, batch = variants[name]
+        seconds, states[name] = burst(step, states[name], batch, steps)
+        return seconds
+    times = harness.interleave(timed, list(variants), reps)
+    ratios = [a / b for a, b in zip(times["jdp"], times["jax.jit"], strict=True)]
     return {"leaves": leaves, "jdp_us": statistics.median(times["jdp"]) * 1e6,
             "jit_us": statistics.median(times["jax.jit"]) * 1e6,
             "ratio": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios)}
@@ -86,12 +85,11 @@ def table(leaves=(10, 300), reps: int = 15, steps: int = 300) -> str:
 
 
 def _render(rows: list[dict]) -> str:
-    lines = ["| model leaves | jax.jit step (µs) | jdp.train_step (µs) | jdp / jax.jit (median, "
-             "min-max over bursts) |", "| --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['leaves']} | {r['jit_us']:.1f} | {r['jdp_us']:.1f} | "
-                     f"{r['ratio']:.3f} ({r['lo']:.2f}-{r['hi']:.2f}) |")
-    return "\n".join(lines) + "\n"
+    return report.table(
+        ["model leaves", "jax.jit step (µs)", "jdp.train_step (µs)",
+         "jdp / jax.jit (median, min-max over bursts)"],
+        [[r["leaves"], f"{r['jit_us']:.1f}", f"{r['jdp_us']:.1f}",
+          f"{r['ratio']:.3f} ({r['lo']:.2f}-{r['hi']:.2f})"] for r in rows])
 
 
 def main(argv=None) -> None:
