@@ -137,7 +137,16 @@ def open_mpi_coordinates(timeout_s: float) -> tuple[str, int, int, list[int]]:
 
 def ray_train(env: Mapping[str, str]) -> Found | None:
     """A Ray Train worker (JaxTrainer, TorchTrainer, ...): rank and size from Ray's context;
-    process 0's address is agreed through Ray when joining (`ray_coordinator`). Ray is only
+    process 0's address is agreed through Ray when joining (`ray_coordinator`)."""
+    context = ray_train_context()
+    if context is None:
+        return None
+    world = context.get_world_size()
+    return None if world is None else Found("Ray Train", None, world, context.get_world_rank())
+
+
+def ray_train_context():
+    """Ray Train's context when this process is one of its workers, else None. Ray is only
     asked when this process already imported it, so jdp never imports Ray itself."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
@@ -145,10 +154,10 @@ def ray_train(env: Mapping[str, str]) -> Found | None:
     import ray.train
     try:
         context = ray.train.get_context()
-        world, rank = context.get_world_size(), context.get_world_rank()
+        context.get_world_size()   # raises outside a Ray Train worker
     except (RuntimeError, AttributeError, DeprecationWarning):   # not a Ray Train worker
         return None
-    return None if world is None else Found("Ray Train", None, world, rank)
+    return context
 
 
 def ray_coordinator() -> str:

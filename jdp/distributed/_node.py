@@ -10,12 +10,11 @@ from __future__ import annotations
 import functools
 import os
 import re
-import sys
 from collections.abc import Mapping
 
 import jax
 
-from jdp.distributed import _group
+from jdp.distributed import _engines, _group
 
 
 def processes_per_node(env: Mapping[str, str] | None = None) -> int:
@@ -30,7 +29,8 @@ def processes_per_node(env: Mapping[str, str] | None = None) -> int:
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         if name in env:
             return _slurm_tasks_here(env[name], env.get("SLURM_NODEID", "0"))
-    return _ray_local_world_size() or 1
+    ray = _engines.ray_train_context()
+    return 1 if ray is None else ray.get_local_world_size()
 
 
 def _slurm_tasks_here(value: str, node_id: str) -> int:
@@ -42,19 +42,6 @@ def _slurm_tasks_here(value: str, node_id: str) -> int:
         raise ValueError(f"SLURM tasks per node {value!r} is not SLURM's list (e.g. '4(x2)')")
     node = int(node_id) if node_id.isdigit() else 0
     return counts[node] if node < len(counts) else counts[0]
-
-
-def _ray_local_world_size() -> int | None:
-    """Ray Train's workers on this node, when this process is one (Ray already imported: jdp
-    never imports it itself); None otherwise."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return None
-    import ray.train
-    try:
-        return ray.train.get_context().get_local_world_size()
-    except (RuntimeError, AttributeError, DeprecationWarning):   # not a Ray Train worker
-        return None
 
 
 @functools.cache
