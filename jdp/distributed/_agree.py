@@ -9,7 +9,7 @@ count whole reads every hash at once (one directory read), writes the verdict (a
 two first groups of processes that differ) and deletes the hashes and the previous point's
 keys, so the store holds the `at` keys and one point per topic whatever the job's length.
 Only on a difference are facts sent, by one process on each side, to name the first fact
-that differs.
+that differs; process 0 then raises only once every process has named it (`_all_named`).
 
 Nothing waits forever: while a process waits for a verdict it looks, once every `poll_s`,
 where process 0 waits; process 0 looks where the missing processes wait (one directory
@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 PREFIX = "jdp/agree/"
 POLL_S = 1.0
 SHOWN = 8             # ranks named per side of a difference
+NAMED_WAIT_S = 5.0    # the most process 0 waits for the others to name a difference
 
 
 class Process(NamedTuple):
@@ -190,9 +191,25 @@ def _name_difference(client: Any, me: Process, here: _Point, text: str, sides: l
             raise TimeoutError(f"{here.who}: the processes disagree, but process {rank} did not "
                                f"say on what within {timeout_s:g} s") from None
     name, value_a, value_b = _first_difference(*facts)
+    _all_named(client, me, here)
     raise ValueError(f"{here.who}: the processes disagree on {name}: {value_a} on process(es) "
                      f"{_ranks(ranks_a, count_a)} but {value_b} on process(es) "
                      f"{_ranks(ranks_b, count_b)}; {fix}")
+
+
+def _all_named(client: Any, me: Process, here: _Point) -> None:
+    """Process 0 holds the store, and an uncaught error ends a process at once: it raises only
+    when every process has read what it needs to name the difference (or after NAMED_WAIT_S),
+    so that none is aborted by the store's end before it can say why."""
+    if int(client.key_value_increment(f"{here.keys}named", 1)) == me.count:
+        client.key_value_set(f"{here.keys}all_named", "1")
+    if me.rank != 0:
+        return
+    try:
+        client.blocking_key_value_get(f"{here.keys}all_named", int(1000 * NAMED_WAIT_S))
+    except Exception as e:  # noqa: BLE001 - JAX raises JaxRuntimeError
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
 
 
 def _first_difference(a: list, b: list) -> tuple[str, str, str]:
