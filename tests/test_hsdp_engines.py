@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import test_fsdp_layers
-from conftest import MPIRUN, REPO, child_env, mpirun_command, write_script
+from conftest import MPIRUN, REPO, child_env, mpirun_command, wait_until_gone, write_script
 from test_fault_slurm import SRUN, slurm_ready
 from test_hsdp import NODES, assert_node_job
 
@@ -34,6 +34,7 @@ def test_hsdp_under_mpirun_splits_within_a_process_and_node_spans_the_host(tmp_p
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert_node_job(tmp_path, processes=2, devices=DEVICES, k=DEVICES)
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
 
 
 @pytest.mark.skipif(not slurm_ready(), reason="no running SLURM (srun, sinfo with an idle "
@@ -46,3 +47,4 @@ def test_hsdp_under_srun_splits_within_a_process_and_node_spans_the_host(tmp_pat
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert_node_job(tmp_path, processes=2, devices=DEVICES, k=DEVICES)
+    assert wait_until_gone(tag, timeout=5.0) < 5.0
