@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import job_env, start_launcher, write_script
 
 import jdp
@@ -56,9 +57,8 @@ def test_own_jit_step_on_loader_batches_equals_one_device_on_the_global_batch():
 
 
 def test_handing_out_a_batch_waits_for_the_step_two_batches_back():
-    """The bound in flight: handing out batch k donates batch k-2's arrays, which the runtime
-    does once the step that read them is done; an array the program still holds is left
-    alone (and keeps its values)."""
+    """The bound in flight: handing out batch k waits for what step k-2 computes; the batches
+    are never touched, so an array the program still holds keeps its values."""
     data = regression(64)
     state = jdp.broadcast(jdp.TrainState.create(
         apply_fn=None, params={"w": np.zeros((3, 1), np.float32)}, tx=optax.sgd(0.1)))
@@ -183,3 +183,55 @@ def test_a_stalled_own_step_job_is_named_by_the_watchdog(tmp_path, tag):
     assert "rank 1 stuck at step 6" in report, report
     assert "time.sleep(10**6)" in report, report
     assert os.path.exists(tmp_path) and "STALL" in err
+
+
+KEEPING = """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np, optax
+    import jdp
+
+    jdp.initialize()
+    out, keep = sys.argv[1], sys.argv[2]
+    data = {"x": np.load(out + "/x.npy"), "y": np.load(out + "/y.npy")}
+
+    @jax.jit
+    def step(state, batch):
+        loss_fn = lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    state = jdp.broadcast(jdp.TrainState.create(
+        apply_fn=None, params={"w": jnp.zeros((3, 1))}, tx=optax.sgd(0.05)))
+    loader, kept, steps = jdp.data.Loader(data, batch_size=8), [], 0
+    while steps < 400:
+        for batch in loader:
+            state, loss = step(state, batch)
+            kept = {"every": kept + [batch], "last2": (kept + [batch])[-2:], "none": []}[keep]
+            steps += 1
+            if steps == 400:
+                break
+    assert all(not b["x"].is_deleted() for b in kept)   # kept batches keep their values
+    np.save(f"{out}/w_{jax.process_index()}.npy", np.asarray(state.params["w"]))
+"""
+
+
+@pytest.mark.parametrize("keep", ["every", "last2", "none"])
+def test_own_step_on_two_processes_finishes_400_steps_whatever_batches_it_keeps(
+        tmp_path, tag, keep):
+    """The bound in flight never depends on the batches the program holds (2 x 2 devices)."""
+    data = regression(48, seed=2)
+    np.save(tmp_path / "x.npy", data["x"])
+    np.save(tmp_path / "y.npy", data["y"])
+    script = write_script(tmp_path, "keep.py", KEEPING)
+    launcher = start_launcher(["--nproc_per_node", "2", "--devices_per_process", "2",
+                               "--progress_timeout", "60", script, tmp_path, keep],
+                              env=job_env(tag))
+    out, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err
+    ranks = [list(jdp.data.DistributedSampler(48, num_replicas=2, rank=r)) for r in (0, 1)]
+    order = [ranks[0][i:i + 8] + ranks[1][i:i + 8] for i in range(0, 24, 8)]
+    batches = [{k: v[order[s % 3]] for k, v in data.items()} for s in range(400)]
+    expected = reference(batches, optax.sgd(0.05), {"w": np.zeros((3, 1), np.float32)})
+    for r in (0, 1):
+        np.testing.assert_allclose(np.load(tmp_path / f"w_{r}.npy"), expected["w"], rtol=1e-4,
+                                   atol=1e-5)
