@@ -19,25 +19,26 @@ from benchmarks import report
 
 def _slot_on(path: str) -> None:
     from jdp.job import progress as _progress
+    from jdp.job import rank
     with open(path, "wb") as f:
         f.write(bytes(_progress.SLOT_SIZE))
     os.environ["JDP_PROGRESS_FILE"] = path
-    _progress._slot = None            # mapped again at the next record
+    rank.current().progress.slot = None   # mapped again at the next record
 
 
 def _slot_off() -> None:
-    from jdp.job import progress as _progress
+    from jdp.job import rank
     os.environ.pop("JDP_PROGRESS_FILE", None)
-    _progress._slot = False           # as in a process without a supervisor
+    rank.current().progress.slot = False   # as in a process without a supervisor
 
 
 def record_cost(path: str, calls: int = 200_000) -> float:
     """Seconds per `record("step", k)` call into a slot file."""
-    from jdp.job import progress as _progress
+    from jdp.job import rank
     _slot_on(path)
     start = time.perf_counter()
     for k in range(calls):
-        _progress.record("step", k)
+        rank.record("step", k)
     return (time.perf_counter() - start) / calls
 
 

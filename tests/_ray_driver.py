@@ -6,6 +6,7 @@ with 2 workers whose loop calls only `jdp.initialize()` (no mapping of Ray's con
 train: the engine tests' loop (tests/_engine_train.py; every worker prints its losses), then
 each worker prints the processes on its node ("NODE rank count").
 kill: collectives until worker 1 kills itself with SIGKILL at step 20; fit() must raise.
+actor: a plain Ray actor calls jdp.initialize(), which must refuse ("ACTOR <outcome>").
 Runs the modes in order on one cluster; prints "FIT <mode> OK" or "FIT <mode> FAILED <type>:
 <message on one line>" for each.
 """
@@ -40,11 +41,27 @@ def kill(config):
         f(np.ones(1, np.float32)).block_until_ready()
 
 
+@ray.remote
+class PlainActor:
+    """A Ray actor outside Ray Train: jdp.initialize() must refuse, not train alone."""
+
+    def start(self) -> str:
+        import jdp
+        try:
+            jdp.initialize()
+            return "OK"
+        except ValueError as e:
+            return f"ValueError: {e}"
+
+
 def main(storage: str, *modes: str) -> None:
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         for mode in modes:
-            fit(mode, storage)
+            if mode == "actor":
+                print(f"ACTOR {ray.get(PlainActor.remote().start.remote())}", flush=True)
+            else:
+                fit(mode, storage)
     finally:
         ray.shutdown()
 

@@ -1,7 +1,7 @@
 """Preemption: SIGTERM to the launcher or to one rank stops every rank at one common step.
 
 The loop below agrees on the stop flag the way jdp's train step does (the flag rides in the
-step's own all-reduce, `_progress.set_agreed` takes the result), so these tests hold without
+step's own all-reduce, `Preemption.set_agreed` takes the result), so these tests hold without
 the step itself. The end-to-end test runs examples/mnist.py under the launcher: SIGTERM
 mid-epoch, every rank saves at the same step, the rerun resumes there, and its final
 parameters equal an uninterrupted run's bitwise.
@@ -15,21 +15,22 @@ import time
 
 from conftest import REPO, job_env, start_launcher, wait_for_text, wait_until_gone, write_script
 
-from jdp.job import progress as _progress
+from jdp.job.progress import Preemption
 
 LOOP = """
 import sys, time
 import jax, numpy as np
 import jdp
-from jdp.job import progress as _progress
+from jdp.job import rank
 
 jdp.initialize()
+stop = rank.current().stop
 psum = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
 n = jax.local_device_count()
 for step in range(1, 10**6):
-    flag = np.full(n, float(_progress.stop_flag()), np.float32)
-    _progress.set_agreed(float(psum(flag)[0]) > 0)      # what train_step does, in its pmean
-    if _progress.preempted():
+    flag = np.full(n, float(stop.flag()), np.float32)
+    stop.set_agreed(float(psum(flag)[0]) > 0)      # what train_step does, in its pmean
+    if jdp.preempted():
         print(f"SAVED rank {jax.process_index()} step {step}", flush=True)
         break
     if step == 3:
@@ -96,8 +97,8 @@ def test_sigterm_to_one_rank_stops_the_whole_job_cleanly(tmp_path, tag):
 
 IGNORING = """
 import time
-from jdp.job import progress as _progress
-_progress.preempted()          # catches SIGTERM, then never looks again
+import jdp
+jdp.preempted()          # catches SIGTERM, then never looks again
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -120,23 +121,20 @@ def test_a_rank_that_does_not_stop_is_killed_after_the_stop_grace(tmp_path, tag)
     wait_until_gone(tag, timeout=5.0)
 
 
-def test_preempted_alone_is_this_process_flag_until_a_step_agrees(monkeypatch):
-    monkeypatch.setattr(_progress, "_local_stop", False)
-    monkeypatch.setattr(_progress, "_agreed", False)
-    monkeypatch.setattr(_progress, "_agreed_seen", False)
+def test_preempted_alone_is_this_process_flag_until_a_step_agrees():
+    stop = Preemption()                               # a rank's stop state of its own
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        assert _progress.preempted() is False
+        assert stop.preempted() is False
         os.kill(os.getpid(), signal.SIGTERM)          # caught: sets the flag, no exit
         time.sleep(0.05)
-        assert _progress.stop_flag() and _progress.preempted()
-        _progress.set_agreed(False)                   # a step agreed: not yet on every rank
-        assert not _progress.preempted()
-        _progress.set_agreed(True)
-        assert _progress.preempted()
+        assert stop.flag() and stop.preempted()
+        stop.set_agreed(False)                        # a step agreed: not yet on every rank
+        assert not stop.preempted()
+        stop.set_agreed(True)
+        assert stop.preempted()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        monkeypatch.setattr(_progress, "_handler_installed", False)
 
 
 # --- end to end: examples/mnist.py ---------------------------------------------------------

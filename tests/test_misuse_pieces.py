@@ -22,7 +22,7 @@ import jax, numpy as np, optax
 import jdp
 from flax import nnx
 from jax.experimental import multihost_utils
-from jdp.distributed import _group
+from jdp.job import rank
 
 jdp.initialize()
 r = jax.process_index()
@@ -49,7 +49,7 @@ def loader(mine, theirs):
 def shard_repeatedly():
     for _ in range(5):
         jdp.shard({"x": np.zeros((4, 3), np.float32)})
-    return _group._rounds.get("shard")
+    return rank.current().agreement.rounds.get("shard")
 
 
 def fsdp_checkpoint():

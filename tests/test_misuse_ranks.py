@@ -207,7 +207,8 @@ def test_a_checkpoint_of_different_trees_is_refused_on_every_rank(outcomes):
     for seconds, outcome in _both(outcomes, "checkpoint_tree"):
         assert outcome == ("ValueError: Checkpointer.save: the processes disagree on extra: "
                            "absent on process(es) 0 but float32[2] on process(es) 1; every "
-                           "process must save the same state"), outcome
+                           "process must call save with the same step and state on one shared "
+                           "directory (the same path on every process)"), outcome
         assert seconds < 60
 
 
@@ -259,13 +260,13 @@ def test_a_launched_script_without_initialize_fails_on_its_first_jdp_call(tmp_pa
 @pytest.fixture
 def launched(monkeypatch):
     """This process looks like one rank of a launched job that never called jdp.initialize()."""
-    from jdp.distributed import _group
+    from jdp.job import rank
     from jdp.job.env import RANK_VARS
     for name in (*RANK_VARS, "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID",
                  "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
                  "JDP_CLUSTER_DETECTION"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(_group, "_job_checked", False)
+    monkeypatch.setattr(rank.current().agreement, "job_checked", False)
     return monkeypatch
 
 

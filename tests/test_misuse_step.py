@@ -254,13 +254,13 @@ def test_comm_dtype_that_is_not_floating_is_refused(value):
 
 @pytest.mark.parametrize("who", ["jdp.broadcast", "jdp.shard", "jdp.train_step"])
 def test_the_core_refuses_a_launched_job_that_was_never_joined(monkeypatch, who):
-    from jdp.distributed import _group
+    from jdp.job import rank
     state, batch, step = placed("global"), batch_for("global"), jdp.train_step(mse)
     calls = {"jdp.broadcast": lambda: jdp.broadcast(plain_state()),
              "jdp.shard": lambda: jdp.shard(data(N)), "jdp.train_step": lambda: step(state, batch)}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(_group, "_job_checked", False)
+    monkeypatch.setattr(rank.current().agreement, "job_checked", False)
     with pytest.raises(RuntimeError) as info:
         calls[who]()
     assert f"{who}: this process runs under a launcher (WORLD_SIZE=2" in str(info.value)

@@ -8,6 +8,7 @@ import sys
 import pytest
 from conftest import REPO, job_env, write_script
 
+from jdp.job import rank as _rank
 from jdp.metrics import profile as _profile
 
 # Five jdp train steps on each of 2 ranks.
@@ -129,13 +130,14 @@ def test_the_layouts_step_figures_read_a_real_trace(tmp_path):
 def test_a_trace_the_user_runs_already_is_left_alone(tmp_path, monkeypatch):
     """jax allows one trace at a time: the user's keeps running, jdp warns and steps on."""
     import jax
-    monkeypatch.setattr(_profile._State, "window", _profile.Window(1, 2, str(tmp_path / "jdp")))
-    monkeypatch.setattr(_profile._State, "read", True)
+    state = _rank.current().profile
+    monkeypatch.setattr(state, "window", _profile.Window(1, 2, str(tmp_path / "jdp")))
+    monkeypatch.setattr(state, "read", True)
     with jax.profiler.trace(str(tmp_path / "mine")):
         with pytest.warns(UserWarning, match="Not tracing"):
             assert _profile.before_step(1) is None
         assert _profile.before_step(2) is None
-    assert not _profile._State.tracing and not os.path.exists(tmp_path / "jdp")
+    assert not state.tracing and not os.path.exists(tmp_path / "jdp")
     assert glob.glob(f"{tmp_path}/mine/**/*.xplane.pb", recursive=True)
 
 

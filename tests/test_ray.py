@@ -1,6 +1,7 @@
 """Ray Train's JaxTrainer on a real local Ray cluster (2 CPU workers), a loop that calls only
 `jdp.initialize()`: one 2-process job with the losses of the same job started by torchrun's
-variables, and a worker killed mid-training ends `fit()` with an error naming it.
+variables, and a worker killed mid-training ends `fit()` with an error naming it; a plain Ray
+actor (no Ray Train) is refused by `jdp.initialize()` with one line.
 
 Needs the `ray` extra (`pip install -e ".[ray]"`); skips without it. The driver runs in a
 child process (tests/_ray_driver.py), so this process never starts Ray or JAX's backend.
@@ -29,8 +30,9 @@ def test_jax_trainer_workers_train_one_job_and_a_killed_worker_is_named(tmp_path
     env = job_env(tag, devices=1, RAY_DEDUP_LOGS="0", PYTHONPATH=path)
     try:
         done = subprocess.run([sys.executable, os.path.join(TESTS, "_ray_driver.py"),
-                               str(tmp_path), "train", "kill"], cwd=REPO, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+                               str(tmp_path), "train", "kill", "actor"], cwd=REPO, env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=300)
     finally:
         wait_until_gone(tag, timeout=60)   # ray.shutdown() stops the cluster it started
     out = done.stdout
@@ -44,3 +46,7 @@ def test_jax_trainer_workers_train_one_job_and_a_killed_worker_is_named(tmp_path
     assert failed.startswith("FIT kill FAILED"), failed
     assert "[Rank 1 Error Snippet]" in failed and "died" in failed, failed
     assert "jdp: process 0 lost process 1 of the job" in out, out[-5000:]
+    actor = next(line for line in out.splitlines() if line.startswith("ACTOR "))
+    assert actor.startswith("ACTOR ValueError: jdp.initialize(): this process is a Ray "
+                            "actor"), actor
+    assert "JaxTrainer" in actor and "WORLD_SIZE=1 to train alone" in actor, actor

@@ -30,15 +30,13 @@ from concurrent import futures
 from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from jdp.checkpoint import _integrity, _owner
 from jdp.checkpoint import _tree as tree
 from jdp.checkpoint._integrity import CorruptCheckpointError, Damaged
 from jdp.core import layouts, not_donated
 from jdp.distributed import agree, barrier, require_job
-from jdp.job import progress as _progress
+from jdp.job import rank as _rank
 
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
 
@@ -128,16 +126,14 @@ class Checkpointer:
             ...     jdp.checkpoint.Checkpointer(directory).save(
             ...         1, jdp.pmap.replicate({"w": np.ones(3)}), loader=loader)
         """
-        _progress.record("checkpoint")
+        _rank.record("checkpoint")
         self._wait()
         step = _as_step(step)
         not_donated(state)
         found = tree.leaves(layouts.to_global(state, "Checkpointer.save"), "Checkpointer.save")
         position = _loader_position(loader)
-        self._agree("save", step)
-        agree("checkpoint-save", [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
-                                  for leaf in found], "Checkpointer.save",
-              "every process must save the same state", self.timeout_s)
+        self._agree("save", step, [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
+                                   for leaf in found])
         latest = ([s for s in self.all_steps() if s not in self._damaged] or [None])[-1]
         if latest is not None and step <= latest:
             raise ValueError(
@@ -201,7 +197,7 @@ class Checkpointer:
             >>> state["w"], state["w"].sharding.is_fully_replicated
             (Array([0., 1., 2.], dtype=float32), True)
         """
-        _progress.record("checkpoint")
+        _rank.record("checkpoint")
         self._wait()
         target = layouts.to_global(state, "Checkpointer.restore")
         found = tree.leaves(target, "Checkpointer.restore")
@@ -363,20 +359,14 @@ class Checkpointer:
         if jax.process_index() == 0:
             self._disk.empty_trash(self._root)
 
-    def _agree(self, what: str, step: int | None) -> None:
-        """Raise on every process unless all processes chose the same `step`."""
-        if jax.process_count() == 1:
-            return
-        # A timed barrier first: the collective below cannot time out (after it, it is instant).
-        barrier(f"jdp.checkpoint:{self.directory}/{what}", self.timeout_s)
-        chosen = np.asarray(multihost_utils.process_allgather(
-            np.int32(-1 if step is None else step))).reshape(-1).tolist()
-        if len(set(chosen)) > 1:
-            seen = {i: (None if s < 0 else s) for i, s in enumerate(chosen)}
-            raise ValueError(
-                f"Checkpointer.{what}: processes chose different steps {seen} (process: step; "
-                f"None = no checkpoint). Every process must call {what} with the same step on "
-                "the same shared directory")
+    def _agree(self, what: str, step: int | None, leaves: list | None = None) -> None:
+        """Raise on every process unless all call `what` on the same directory with the same
+        `step` (and, saving, the same state's `leaves`); a process that skips the call is
+        named (`jdp.distributed.agree`)."""
+        facts = [("directory", self.directory), ("step", str(step)), *(leaves or [])]
+        agree(f"checkpoint-{what}", facts, f"Checkpointer.{what}",
+              f"every process must call {what} with the same step and state on one shared "
+              "directory (the same path on every process)", self.timeout_s)
 
 
 def _as_step(step: Any) -> int:

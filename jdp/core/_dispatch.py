@@ -16,12 +16,14 @@ import jax
 import numpy as np
 
 from jdp.core import _checks, _inflight
-from jdp.job import progress as _progress
+from jdp.distributed import agree
+from jdp.job import rank as _rank
 from jdp.metrics import profile as _profile
 
 
 def make_step(body: Callable, check: Callable, transform: Callable, place_stop: Callable, *,
-              max_in_flight: int, train: bool, donate: bool = False) -> Callable:
+              max_in_flight: int, train: bool, donate: bool = False,
+              announce: Callable[[int], None] | None = None) -> Callable:
     """`step(state, batch)` running `transform(body)(state, batch, stop) -> (out, done)`.
 
     Args:
@@ -35,6 +37,8 @@ def make_step(body: Callable, check: Callable, transform: Callable, place_stop: 
         donate: the transform donates the state; a call with a state whose buffers went to an
             earlier step is then refused (XLA would crash on it). A donated state has every
             leaf deleted, so its step counter alone tells.
+        announce: `announce(n)` before the n-th call is dispatched: the agreement point that
+            names a process skipping the call (`collective_call`).
     """
     tracing: list = [None]   # the concrete inputs of the call under way, for `check`
 
@@ -50,7 +54,7 @@ def make_step(body: Callable, check: Callable, transform: Callable, place_stop: 
     phase = "step" if train else "eval"
 
     def stop_array() -> Any:
-        flag = _progress.stop_flag()
+        flag = _rank.current().stop.flag()
         if flag not in stops:
             stops[flag] = place_stop(flag)
         return stops[flag]
@@ -59,9 +63,11 @@ def make_step(body: Callable, check: Callable, transform: Callable, place_stop: 
         if donate and _deleted(getattr(state, "step", None)):
             _checks.not_donated(state)
         calls[0] += 1
+        if announce is not None:
+            announce(calls[0])
         _inflight.jdp_step_called()
         # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
-        _progress.record(phase, calls[0] if train else None)
+        _rank.record(phase, calls[0] if train else None)
         traced_step = _profile.before_step(calls[0]) if train else None
         tracing[0] = (state, batch)
         try:
@@ -93,6 +99,20 @@ def make_step(body: Callable, check: Callable, transform: Callable, place_stop: 
     return step
 
 
+def collective_call(topic: str, who: str, every_call: bool, **options: Any) -> Callable:
+    """`announce` for `make_step`: an agreement point (`jdp.distributed.agree`) at the first
+    call (`every_call`: at every call) where every process must pass the same `options`, so a
+    process that skips the call, or built the step with other options, is named on every
+    process. A train step announces its first call only: nothing per step after it."""
+    facts = [(name, str(value)) for name, value in options.items()]
+    fix = f"build {who} with the same options on every process and call it on every process"
+
+    def announce(call: int) -> None:
+        if call == 1 or every_call:
+            agree(topic, facts, who, fix)
+    return announce
+
+
 def _deleted(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and leaf.is_deleted()
 
@@ -106,7 +126,8 @@ def _settle(done: jax.Array, train: bool) -> None:
     """
     done.block_until_ready()
     if train:
-        _progress.set_agreed(lambda: float(np.asarray(done.addressable_data(0)).reshape(-1)[0]) > 0)
+        flag = lambda: float(np.asarray(done.addressable_data(0)).reshape(-1)[0]) > 0  # noqa: E731
+        _rank.current().stop.set_agreed(flag)
 
 
 def stop_values(flag: bool, devices: int) -> np.ndarray:

@@ -26,16 +26,15 @@ from typing import Any
 
 import jax
 
-from jdp.job import progress as _progress
+from jdp.job import rank as _rank
 
 SIZE = 2                  # steps in flight before the next batch waits, as jdp.train_step's
-_jdp_calls = [0]          # calls of jdp's own steps: while they run, batches stand aside
-_steps = [0]              # own steps counted (the Loader's batches)
 
 
 def jdp_step_called() -> None:
-    """A jdp step was dispatched: it records progress and bounds itself."""
-    _jdp_calls[0] += 1
+    """A jdp step was dispatched: it records progress and bounds itself (while jdp's own
+    steps run, the batches stand aside)."""
+    _rank.current().in_flight.jdp_calls += 1
 
 
 class Window:
@@ -44,7 +43,7 @@ class Window:
     def __init__(self, size: int = SIZE):
         self.size = size
         self._noted: collections.deque = collections.deque()
-        self._calls = _jdp_calls[0]
+        self._calls = _rank.current().in_flight.jdp_calls
         self._bounded: bool | None = None   # decided at the first hand-out (jax's backend)
 
     def handed(self, tree: Any, count: bool) -> None:
@@ -55,13 +54,14 @@ class Window:
             count: count it as a training step (the Loader) or only as step-phase progress
                 (`jdp.shard`, called once per field of a batch).
         """
-        calls, self._calls = self._calls, _jdp_calls[0]
+        in_flight = _rank.current().in_flight
+        calls, self._calls = self._calls, in_flight.jdp_calls
         if calls != self._calls:   # jdp's own steps consume these batches
             self._noted.clear()
             return
         if count:
-            _steps[0] += 1
-        _progress.record("step", _steps[0] if count else None)
+            in_flight.own_steps += 1
+        _rank.record("step", in_flight.own_steps if count else None)
         if self._bounded is None:
             self._bounded = _on_cpu(tree)
         if not self._bounded:

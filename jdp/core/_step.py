@@ -223,8 +223,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         _checks.global_batch(batch, accum_steps)
 
     transform = functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
-    return _dispatch.make_step(body, check, transform, place_stop,
-                               max_in_flight=max_in_flight, train=True, donate=donate)
+    announce = _dispatch.collective_call(
+        "train_step", "jdp.train_step", False, has_aux=has_aux, grad_reduce=grad_reduce,
+        accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype,
+        donate=donate, shard_optimizer=shard_optimizer, shard_params=shard_params,
+        compute_dtype=compute_dtype, cast_batch=cast_batch)
+    return _dispatch.make_step(body, check, transform, place_stop, max_in_flight=max_in_flight,
+                               train=True, donate=donate, announce=announce)
 
 
 def device_eval_step(state, batch, stop, *, metric_fn):
@@ -282,4 +287,5 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
         _checks.global_batch(batch, 1)
 
     return _dispatch.make_step(body, check, jax.jit, place_stop, max_in_flight=max_in_flight,
-                               train=False)
+                               train=False, announce=_dispatch.collective_call(
+                                   "eval_step", "jdp.eval_step", True))

@@ -15,6 +15,7 @@ import numpy as np
 
 from jdp.core import eval_step
 from jdp.data._loader import Loader
+from jdp.distributed import agree
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # metric_fn -> its eval step
 
@@ -54,6 +55,8 @@ def evaluate(metric_fn: Callable, state: Any, data: Any, *, batch_size: int | No
         ...              {"x": np.ones(13, np.float32)})
         {'sq': 4.0, 'count': 13.0}
     """
+    agree("evaluate", [("batch_size", str(batch_size))], "jdp.evaluate",
+          "call jdp.evaluate with the same arguments on every process")
     loader = _whole_pass(data, batch_size)
     step = _STEPS.get(metric_fn)
     if step is None:

@@ -32,7 +32,7 @@ from jdp.core import StepWindow, batch_sharded, layouts
 from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
 from jdp.distributed import AGREE_TIMEOUT_S, agree, agree_once, require_job
-from jdp.job import progress as _progress
+from jdp.job import rank as _rank
 
 
 class Loader:
@@ -114,7 +114,6 @@ class Loader:
             _background.check_picklable(self._recipe, self.num_workers)
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
-        self._agreed = False
         self._signatures: set = set()   # batch signatures the processes agreed on
         self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
@@ -176,7 +175,7 @@ class Loader:
                                          self.timeout)
         with contextlib.closing(batches), self._workers_broken_on_timeout():
             while True:
-                _progress.record("data")  # waiting for a batch: a rank stuck reading shows "data"
+                _rank.record("data")  # waiting for a batch: a rank stuck reading shows "data"
                 batch = next(batches, None)
                 if batch is None:
                     break
@@ -192,15 +191,15 @@ class Loader:
         self._move(self._epoch + 1, 0)
 
     def _agree(self) -> None:
-        """Once, before the first batch: every process has the same dataset size, batch size,
-        sampler and position (else the global batches would mix or hang)."""
-        if self._agreed or not 1 < jax.process_count() == self.sampler.num_replicas:
+        """At the start of every pass: every process has the same dataset size, batch size,
+        sampler and position (else the global batches would mix or hang), and a process that
+        skips the pass is named (an agreement point: `jdp.distributed.agree`)."""
+        if not 1 < jax.process_count() == self.sampler.num_replicas:
             return
         facts = [(k, repr(v)) for k, v in self.state_dict().items()] + [("layout", self.layout)]
         agree("loader", facts, "jdp.data.Loader", "build the Loader with the same dataset "
               "(len(source)), batch_size and sampler settings, and restore the same "
               "position, on every process", self.timeout or AGREE_TIMEOUT_S)
-        self._agreed = True
 
     def _host_batches(self, plan: _sources.EpochPlan, items: range) -> Callable[[int], dict]:
         """`b -> host batch b`: built here, or asked of the worker processes."""

@@ -7,6 +7,7 @@ same) and `broadcast_for` (process 0's values, the caller named in the errors).
 from jdp.distributed._group import (
     AGREE_TIMEOUT_S,
     agree,
+    barrier,
     broadcast_from_primary,
     is_primary,
     process_count,
@@ -14,7 +15,7 @@ from jdp.distributed._group import (
     require_job,
 )
 from jdp.distributed._group import broadcast as broadcast_for
-from jdp.distributed._init import barrier, initialize, shutdown
+from jdp.distributed._init import initialize, shutdown
 from jdp.distributed._log import get_logger, print0
 from jdp.distributed._node import devices_per_node, processes_per_node
 from jdp.distributed._pieces import agree_once

@@ -17,11 +17,20 @@ read). A process that waits at a point this one has not begun means the processe
 different paths through the program: that deadlock is named at once, and a process that
 never comes is named after `timeout_s`. Process 0 writes such a finding as the verdict, so
 every process raises the same error.
+
+A process that is not at the point at all is asked where it is (over the roll call's
+connections, `Peers`): one whose script has ended is named at once; after `ANNOUNCE_S` one that
+went past this call (more steps run than the waiting process) is named too, and the job ends
+on every process with one line naming the call, the missing processes, where they are and the
+fix; one that is still on its way (behind, in start-up, data or a step it has not passed) is
+waited for up to `timeout_s`, with a notice. The processes named are told the verdict, so each
+prints it and exits 1 rather than being aborted later in a collective or at exit.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -30,14 +39,18 @@ PREFIX = "jdp/agree/"
 POLL_S = 1.0
 SHOWN = 8             # ranks named per side of a difference
 NAMED_WAIT_S = 5.0    # the most process 0 waits for the others to name a difference
+ANNOUNCE_S = 10.0     # a process missing from a call this long is asked where it is
+LINGER_S = 2 * POLL_S  # process 0 holds the store this long after an error verdict
 
 
 class Process(NamedTuple):
     """One process of the job as agreement sees it; `rounds` counts the points it began, per
-    topic, so the n-th call for a topic on one process meets the n-th on the others."""
+    topic, so the n-th call for a topic on one process meets the n-th on the others; `peers`
+    (a `jdp.job.peers.Peers`, or None) says where the processes missing from a point are."""
     rank: int
     count: int
     rounds: dict
+    peers: Any = None
 
 
 class _Point(NamedTuple):
@@ -46,6 +59,8 @@ class _Point(NamedTuple):
     who: str
     keys: str         # this point's key directory, ending in "/"
     deadline: float
+    since: float      # when this process arrived
+    asked: list       # when the missing processes were asked where they are (each ANNOUNCE_S)
 
 
 _ERRORS = {"RuntimeError": RuntimeError, "TimeoutError": TimeoutError}
@@ -59,7 +74,8 @@ def agree_in_store(client: Any, me: Process, topic: str, facts: Sequence[tuple[s
     counting double in `_memstore`).
     """
     n = me.rounds[topic] = me.rounds.get(topic, 0) + 1
-    here = _Point(topic, n, who, f"{PREFIX}{topic}/{n}/", time.monotonic() + timeout_s)
+    now = time.monotonic()
+    here = _Point(topic, n, who, f"{PREFIX}{topic}/{n}/", now + timeout_s, now, [])
     text = json.dumps([list(f) for f in facts])
     client.key_value_set(f"{PREFIX}at/{me.rank}", json.dumps([topic, n, who]),
                          allow_overwrite=True)
@@ -69,9 +85,17 @@ def agree_in_store(client: Any, me: Process, topic: str, facts: Sequence[tuple[s
         _judge(client, here)
     verdict = _verdict(client, me, here, timeout_s, poll_s)
     if "error" in verdict:
+        _leave(me)
         raise _ERRORS[verdict["error"]](verdict["message"])
     if "differ" in verdict:
         _name_difference(client, me, here, text, verdict["differ"], fix, timeout_s)
+
+
+def _leave(me: Process) -> None:
+    """Before raising an error verdict: process 0, which holds the store, first lets the
+    others read theirs (at this point, or naming the same deadlock at theirs)."""
+    if me.peers is not None and me.rank == 0:
+        time.sleep(LINGER_S)
 
 
 def _judge(client: Any, here: _Point) -> None:
@@ -115,11 +139,14 @@ def _verdict(client: Any, me: Process, here: _Point, timeout_s: float, poll_s: f
 
 
 def _look(client: Any, me: Process, here: _Point, timeout_s: float, late: bool) -> dict | None:
-    """An error verdict when a process this one waits for waits elsewhere or timed out."""
+    """An error verdict when a process this one waits for waits elsewhere, skipped this call
+    (`_skipped`) or timed out."""
     if me.rank != 0:
         at = _at(client, 0)
         if at is not None and _not_begun(me, at):
             return _error("RuntimeError", _deadlock(here, me.rank, 0, at))
+        if at != [here.topic, here.n, here.who] and (found := _skipped(client, me, here, [0])):
+            return found
         if not late:
             return None
         return _error("TimeoutError", f"{here.who}: the processes did not all reach this call "
@@ -135,12 +162,66 @@ def _look(client: Any, me: Process, here: _Point, timeout_s: float, late: bool) 
         if rank in wait_at and _not_begun(me, wait_at[rank]):
             return _published(client, here, _error(
                 "RuntimeError", _deadlock(here, 0, rank, wait_at[rank])))
+    if (found := _skipped(client, me, here, missing)) is not None:
+        return found
     if not late:
         return None
-    return _published(client, here, _error(
+    return _told(me, missing, _published(client, here, _error(
         "TimeoutError", f"{here.who}: process(es) {_ranks(missing, len(missing))} did not reach "
         f"this call within {timeout_s:g} s (process 0 waited): slow, stuck, dead or on another "
-        "path through the program"))
+        "path through the program")))
+
+
+def _skipped(client: Any, me: Process, here: _Point, missing: list[int]) -> dict | None:
+    """The error verdict when a process missing from this point will never come: its script
+    ended, or (asked after ANNOUNCE_S) it has run more steps than this one; else None, with a
+    notice once that the others are still awaited."""
+    peers = me.peers
+    if peers is None:
+        return None
+    ended = {r: peers.finished[r] for r in missing if r in peers.finished}
+    gone: dict[int, str] = {r: f"process {r} finished its script" + _after(s)
+                            for r, s in ended.items()}
+    if not gone and time.monotonic() - here.since >= ANNOUNCE_S * (len(here.asked) + 1):
+        here.asked.append(time.monotonic())
+        mine = peers.place().get("step", -1)
+        places = peers.locate(missing[:SHOWN])
+        gone = {r: f"process {r} went on to {_where(p)}" for r, p in places.items()
+                if p.get("step", -1) > mine}
+        if not gone and len(here.asked) == 1:
+            print(f"jdp: {here.who} (call {here.n}): process {me.rank} has waited "
+                  f"{ANNOUNCE_S:g} s for process(es) {_ranks(missing, len(missing))} ("
+                  + "; ".join(f"process {r}: {_where(p)}" for r, p in places.items())
+                  + ")", file=sys.stderr, flush=True)
+    if not gone:
+        return None
+    text = (f"{here.who}: process(es) {_ranks(sorted(gone), len(gone))} skipped this call "
+            f"(call {here.n}), which process {me.rank} waits in: {'; '.join(gone.values())}. "
+            f"Every process must call {here.who}: remove the `if jax.process_index() == 0:` "
+            "(or other test of the rank) around it")
+    return _told(me, sorted(gone), _published(client, here, _error("RuntimeError", text)))
+
+
+def _told(me: Process, ranks: list[int], verdict: dict) -> dict:
+    """`verdict`, sent to `ranks` (processes not at this point, which would not read it):
+    each prints it and exits 1 rather than be aborted when the store's holder leaves."""
+    if me.peers is not None and "error" in verdict:
+        me.peers.end_job(ranks, verdict["message"])
+    return verdict
+
+
+def _after(step: int) -> str:
+    return f" after step {step}" if step is not None and step >= 0 else ""
+
+
+def _where(place: dict) -> str:
+    """A peer's place as words: its phase and step, or the call it waits in."""
+    if place.get("in"):
+        who, n = place["in"]
+        return f"{who} (call {n})"
+    step = place.get("step", -1)
+    return f"step {step}" if place.get("phase") == "step" else (
+        f"phase {place.get('phase', 'start')}" + _after(step))
 
 
 def _published(client: Any, here: _Point, verdict: dict) -> dict:
@@ -166,7 +247,8 @@ def _deadlock(here: _Point, me: int, rank: int, at: list) -> str:
     return (f"{here.who}: process {me} waits here (call {here.n}) while process {rank} waits in "
             f"{who} (call {n}), which process {me} has not reached: the processes took "
             "different paths through the program; make every process make the same jdp calls "
-            "in the same order")
+            "in the same order (a call under `if jax.process_index() == 0:` is made by one "
+            "process only)")
 
 
 def _error(kind: str, message: str) -> dict:

@@ -216,7 +216,28 @@ def detect(env: Mapping[str, str]) -> Found | None:
     for engine in ENGINES:
         if (found := engine(env)) is not None:
             return found
+    _plain_ray_actor()
     return None
+
+
+def _plain_ray_actor() -> None:
+    """A Ray actor outside Ray Train has no job description: refused with one line, since
+    each actor would otherwise train alone as process 0 of 1. Ray is only asked when this
+    process already imported it."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    try:
+        actor = ray.get_runtime_context().get_actor_id()
+    except Exception:  # noqa: BLE001 - an older or partial Ray: nothing to say
+        return
+    if actor is not None:
+        raise ValueError(
+            f"jdp.initialize(): this process is a Ray actor ({actor}) outside Ray Train, so "
+            "nothing says how many processes the job has or which one this is; run the "
+            "training function under ray.train's JaxTrainer (examples/ray_train.py), or give "
+            "each actor MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (WORLD_SIZE=1 to train "
+            "alone)")
 
 
 def integer(env: Mapping[str, str], name: str, meaning: str) -> int:

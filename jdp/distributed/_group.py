@@ -18,9 +18,8 @@ from jax.experimental import multihost_utils
 
 from jdp.distributed import _agree, _init
 from jdp.job import env as _env
+from jdp.job import rank as _rank
 
-_job_checked = False   # require_job passed once: later calls cost one global read
-_rounds: dict[str, int] = {}   # per topic: how many agreement rounds this process began
 AGREE_TIMEOUT_S = 300.0
 
 
@@ -46,8 +45,8 @@ def require_job(who: str) -> None:
     Without this every rank would train alone, each its own process 0. Called by every jdp
     entry point that needs the job; after the first pass it is one global read.
     """
-    global _job_checked
-    if _job_checked:
+    agreement = _rank.current().agreement
+    if agreement.job_checked:
         return
     if not jax.distributed.is_initialized():
         launched = _launcher_variables(os.environ)
@@ -58,7 +57,7 @@ def require_job(who: str) -> None:
                 "in main")
     if jax.distributed.is_initialized():
         _same_devices_everywhere(who)
-    _job_checked = True
+    agreement.job_checked = True
 
 
 def _same_devices_everywhere(who: str) -> None:
@@ -144,5 +143,36 @@ def agree(topic: str, facts: Sequence[tuple[str, str]], who: str, fix: str,
     client = _init.coordination_client()
     if client is None or jax.process_count() == 1:
         return
-    _agree.agree_in_store(client, _agree.Process(jax.process_index(), jax.process_count(),
-                                                 _rounds), topic, facts, who, fix, timeout_s)
+    rank = _rank.current()
+    peers, rounds = rank.peers, rank.agreement.rounds
+    me = _agree.Process(jax.process_index(), jax.process_count(), rounds,
+                        peers if peers.conns else None)
+    peers.waiting = (who, rounds.get(topic, 0) + 1)
+    try:
+        _agree.agree_in_store(client, me, topic, facts, who, fix, timeout_s)
+    finally:
+        peers.waiting = None
+
+
+def barrier(name: str = "jdp.barrier", timeout_s: float = AGREE_TIMEOUT_S) -> None:
+    """Wait until every process reaches the barrier `name`, or raise.
+
+    Unlike a device collective it cannot hang forever: it is an agreement point (`agree`), so
+    processes at barriers of different names are named at once (ValueError), a process whose
+    script ended, or that went on past the barrier, is named within seconds (RuntimeError),
+    and one that never comes after `timeout_s` (TimeoutError). All processes must pass the
+    same names in the same order. A single process returns at once.
+
+    Args:
+        name: the barrier's id; the same name may be used again once all have passed.
+        timeout_s: seconds to wait for the slowest process.
+
+    Example:
+        >>> import jdp
+        >>> if jdp.is_primary():
+        ...     print("preparing the dataset")   # one process writes, the others wait
+        preparing the dataset
+        >>> jdp.barrier("dataset-ready", timeout_s=60)
+    """
+    agree("barrier", [("name", name)], f"jdp.barrier({name!r})",
+          "every process must pass the same barriers in the same order", timeout_s)

@@ -1,4 +1,4 @@
-"""Joining and leaving the job: `initialize()` from the environment, `barrier`, `shutdown`.
+"""Joining and leaving the job: `initialize()` from the environment, and `shutdown`.
 
 `jdp.initialize()` reads the job from what its engine put in the environment (`_engines`: the
 launcher's and torchrun's variables, JAX's, a Kubernetes Indexed Job or JobSet pod, srun,
@@ -10,6 +10,7 @@ needs is a one-line error, never N unrelated single-process jobs.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -25,10 +26,11 @@ import jax
 # is a device collective with no timeout) nor the coordinator address a job was started with.
 from jax._src import distributed as _jax_distributed  # no public API: see above
 
-from jdp.distributed import _engines, _peers, _rendezvous, _watch
+from jdp.distributed import _engines, _rendezvous, _watch
 from jdp.job import env as _env
 from jdp.job import malloc as _malloc
 from jdp.job import net as _net
+from jdp.job import rank as _rank
 from jdp.job import run as _run
 
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
@@ -83,12 +85,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     Every process first reports to process 0 on the coordinator port (`_rendezvous`), so a
     missing process is named in a TimeoutError instead of JAX aborting process 0, and one
     started with another process count is refused (ValueError) on both sides; those
-    connections stay open, so a process that dies later is named by the others (`_peers`). On a
-    multi-process job an uncaught exception (code 1) or `sys.exit(n)` (code n) ends the
-    process at once instead of waiting in JAX's exit handler, under mpirun/srun too (a bare
-    `raise SystemExit(n)` still waits). With JDP_PROGRESS_TIMEOUT=S and no jdp launcher
-    watching (srun, mpirun), a watchdog inside the job (`_watch`) names a rank that made no
-    progress for S seconds, with its Python stack, and ends the job with status 124.
+    connections stay open, so a process that dies later is named by the others
+    (`jdp.job.peers`), and one whose script ended while others wait in a collective call is
+    named by them at once. On a multi-process job an uncaught exception (code 1) or
+    `sys.exit(n)` (code n) ends the process at once instead of waiting in JAX's exit
+    handler, under mpirun/srun too (a bare `raise SystemExit(n)` still waits). With
+    JDP_PROGRESS_TIMEOUT=S and no jdp launcher watching (srun, mpirun), a watchdog inside
+    the job (`_watch`) names a rank that made no progress for S seconds, with its Python
+    stack, and ends the job with status 124.
 
     Args:
         coordinator_address: "host:port" of process 0's coordinator service.
@@ -128,6 +132,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if plan is None or _already_initialized(plan):
         return
     _connect(plan, **timeouts)
+    _rank.current().progress.open()   # a peer waiting in a collective call may ask where
+    atexit.register(_rank.current().peers.script_finished)   # after JAX's: before its barrier
     _install_fail_fast_excepthook()
     _start_watchdog(env)
 
@@ -272,10 +278,10 @@ def _start_watchdog(env: Mapping[str, str]) -> None:
 
 def _roll_call(host: str, port: int, plan: _Plan, timeout: float) -> int:
     """Every process reports to process 0 (`_rendezvous.roll_call`) before JAX's join, and
-    the connections stay open to name a lost process (`_peers`); the seconds left."""
+    the connections stay open to name a lost process (`jdp.job.peers`); the seconds left."""
     conns, left = _rendezvous.roll_call(host, port, plan.process_id, plan.num_processes,
                                         timeout)
-    _peers.watch(conns, plan.process_id)
+    _rank.current().peers.watch(conns, plan.process_id)
     return left
 
 
@@ -322,7 +328,10 @@ def _install_fail_fast_excepthook() -> None:
     previous = sys.excepthook
 
     def fail_fast(exc_type, exc, tb):
-        if (lost := _peers.lost(exc)) is not None and hasattr(exc, "add_note"):
+        peers = _rank.current().peers
+        if (lost := peers.lost(exc)) is None:
+            peers.failing(exc)   # the peers name this failure, not a lost process
+        elif hasattr(exc, "add_note"):
             exc.add_note(lost)   # the failed collective's own message names no process
         _run.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
 
@@ -347,39 +356,8 @@ def shutdown() -> None:
     if getattr(hook, "_jdp_previous", None):
         sys.excepthook = hook._jdp_previous  # type: ignore[attr-defined]
         sys.exit = hook._jdp_sys_exit  # type: ignore[attr-defined]
-    _peers.goodbye()
+    _rank.current().peers.goodbye()
     jax.distributed.shutdown()
-
-
-def barrier(name: str = "jdp.barrier", timeout_s: float = 300.0) -> None:
-    """Wait until every process reaches the barrier `name`, or raise after `timeout_s`.
-
-    Unlike a device collective it cannot hang forever: a process that is dead or stuck
-    elsewhere turns into a TimeoutError. All processes must pass the same names in the same
-    order. A single process returns at once.
-
-    Args:
-        name: the barrier's id; the same name may be used again once all have passed.
-        timeout_s: seconds to wait for the slowest process.
-
-    Example:
-        >>> import jdp
-        >>> if jdp.is_primary():
-        ...     print("preparing the dataset")   # one process writes, the others wait
-        preparing the dataset
-        >>> jdp.barrier("dataset-ready", timeout_s=60)
-    """
-    client = coordination_client()
-    if client is None:
-        return
-    try:
-        client.wait_at_barrier(name, int(timeout_s * 1000))
-    except jax.errors.JaxRuntimeError as e:
-        if "DEADLINE_EXCEEDED" not in str(e):
-            raise
-        raise TimeoutError(f"barrier {name!r} timed out after {timeout_s} s on process "
-                           f"{jax.process_index()}: another process is slow, stuck or dead (see "
-                           "its log), or did not call barrier with this name") from None
 
 
 def _timeout(value: int | None, env_name: str, default: int, env: Mapping[str, str]) -> int:

@@ -2,7 +2,7 @@
 
 With JDP_PROGRESS_TIMEOUT=S set and no jdp supervisor around, `jdp.initialize()` starts it:
 
-- on every rank a thread publishes what `_progress.record` noted (count, step, phase: the slot
+- on every rank a thread publishes what `Progress.record` noted (count, step, phase: the slot
   lives in this process's memory) to JAX's coordination-service key-value store, once a
   period and only when it changed, and waits for the stall key with a timed get that ends
   the period (no polling);
@@ -29,6 +29,7 @@ import time
 
 from jdp.job import outcome as _outcome
 from jdp.job import progress as _progress
+from jdp.job import rank as _rank
 from jdp.job import run as _run
 from jdp.job import watchdog as _watchdog
 
@@ -46,7 +47,7 @@ def period(timeout_s: float) -> float:
 
 def start(client, rank: int, world: int, timeout_s: float) -> None:
     """Start this rank's publisher (and process 0's watcher) as daemon threads."""
-    slot = _progress.memory_slot()
+    slot = _rank.current().progress.memory_slot()
     main = threading.main_thread()
     every = period(timeout_s)
     threading.Thread(target=_publish, args=(client, rank, slot, main, every), daemon=True,

@@ -5,7 +5,9 @@ jdp's bottom floor. The launcher (`jdp.launch`, `jdp.spawn`) and the ranks' side
 neither, so the launcher sits on top of the library instead of under it:
 
 - `env`: the names of the environment variables a rank is started with;
-- `progress`: each rank's progress slot and the preemption flag (`preempted`);
+- `progress`: each rank's progress slot and the preemption flag;
+- `peers`: the connections between a job's processes (a lost one named, where a peer is);
+- `rank`: the rank side's state, in one object (`current()`), and `preempted`;
 - `watchdog`: the judgment of who is behind when a job stops moving, and stack dumps as
   tracebacks;
 - `outcome`: how a round of ranks ended (one tagged type), its exit status and its one report;
@@ -13,9 +15,9 @@ neither, so the launcher sits on top of the library instead of under it:
 - `run`: the rank-side runner (run by path) and the prompt exits a failing rank leaves by;
 - `malloc`: the allocator settings a launcher puts in a rank's environment and a rank applies.
 """
-from jdp.job import env, malloc, net, outcome, progress, run, watchdog
+from jdp.job import env, malloc, net, outcome, peers, progress, rank, run, watchdog
 from jdp.job.outcome import EXIT_STALLED
-from jdp.job.progress import preempted
+from jdp.job.rank import preempted
 
-__all__ = ["EXIT_STALLED", "env", "malloc", "net", "outcome", "preempted", "progress", "run",
-           "watchdog"]
+__all__ = ["EXIT_STALLED", "env", "malloc", "net", "outcome", "peers", "preempted", "progress",
+           "rank", "run", "watchdog"]

@@ -1,18 +1,22 @@
 """Progress and preemption signals shared by jdp's steps, the Loader and the Checkpointer.
 
-Progress: under `jdp.launch` or `jdp.spawn` each rank owns a small file (its *slot*, path in
-$JDP_PROGRESS_FILE) mapped into memory; `record(phase, step)` marks that the rank enters
+Progress (`Progress`): under `jdp.launch` or `jdp.spawn` each rank owns a small file (its *slot*,
+path in $JDP_PROGRESS_FILE) mapped into memory; `record(phase, step)` marks that the rank enters
 `phase` and writes there a counter, the step, the phase, the time, the seconds spent so far
 in each phase and, per step, when the rank reached it (a few struct writes, about a
 microsecond, no system call). The supervisor's watchdog reads every slot to see who is moving
 and who is behind, and `_goodput` to say where the time went and who arrives late. Under
-srun or mpirun `jdp.initialize()` gives the slot an anonymous mapping, which its watchdog
-thread publishes (`jdp.distributed._watch`). Without either, `record` does nothing.
+srun or mpirun `jdp.initialize()` gives the slot an anonymous mapping (read by the peers that
+ask where this rank is, and published by the in-job watchdog, `jdp.distributed._watch`).
+Without either, `record` does nothing.
 
-Preemption: from its first call `preempted()` makes SIGTERM (from the launcher, SLURM,
-Kubernetes, a spot VM's notice) only set a flag, which jdp's train step carries in the
+Preemption (`Preemption`): from its first call `preempted()` makes SIGTERM (from the launcher,
+SLURM, Kubernetes, a spot VM's notice) only set a flag, which jdp's train step carries in the
 all-reduce it already does and hands to `set_agreed`. A second SIGTERM (a second or more after
 the first) or SIGKILL still ends the process.
+
+Both are classes, one of each per process in `jdp.job.rank.current()`; the launcher side reads
+slots through `read_slot` and the layout constants.
 """
 from __future__ import annotations
 
@@ -44,79 +48,84 @@ _DOUBLE = struct.Struct("<d")
 DUPLICATE_SIGTERM_S = 1.0       # a SIGTERM this soon after the first is the same request
 _CODES = {name: i for i, name in enumerate(PHASES)}
 
-_slot: mmap.mmap | bool | None = None     # None: not opened yet; False: no supervisor
-_count = 0
-_step = -1
-_last = 0.0                                # time of the last record
-_charge = 0                                # accumulator the open interval goes to
-_acc = [0.0] * (COMPILE + 1)
-_first_calls = {1, 3}                      # step, eval: their first call compiles
-_local_stop = False
-_first_stop = 0.0
-_agreed = False
-_agreed_seen = False                       # has a jdp step ever reported an agreed flag?
-_handler_installed = False
-_pending_agreed: list = [None]           # the newest step's agreed flag, read on demand
+class Progress:
+    """This rank's progress slot and the seconds it spent per phase (one per process:
+    `jdp.job.rank.current().progress`)."""
 
+    def __init__(self) -> None:
+        self.slot: mmap.mmap | bool | None = None   # None: not opened yet; False: none
+        self.count = 0
+        self.step = -1
+        self.last = 0.0                               # time of the last record
+        self.charge = 0                               # accumulator the open interval goes to
+        self.acc = [0.0] * (COMPILE + 1)
+        self.first_calls = {1, 3}                     # step, eval: their first call compiles
 
-def record(phase: str, step: int | None = None) -> None:
-    """Note that this rank enters `phase` ("step", "data", "eval", "checkpoint", "other").
+    def record(self, phase: str, step: int | None = None) -> None:
+        """Note that this rank enters `phase` ("step", "data", "eval", "checkpoint", "other").
 
-    `step` is the number of training steps this process has run, when the caller knows it.
-    The time since the previous record is added to the previous phase's total.
-    """
-    global _count, _step, _last, _charge
-    slot = _slot if _slot is not None else _open_slot()
-    if slot is False:
-        return
-    now = time.monotonic()
-    if _count:
-        _acc[_charge] += now - _last
-        _DOUBLE.pack_into(slot, ACC_AT + 8 * _charge, _acc[_charge])
-        if _charge == _CODES["checkpoint"] and phase != "checkpoint":   # a save ended
-            KEPT.pack_into(slot, KEPT_AT, now, _step, *_acc)
-    else:
-        _DOUBLE.pack_into(slot, FIRST_AT, now)
-    code = _CODES.get(phase, 5)
-    if step is not None and step != _step:
-        _step = step
-        _DOUBLE.pack_into(slot, RING_AT + 8 * (step % RING), now)
-    _charge = code
-    if code in _first_calls:
-        _first_calls.discard(code)
-        _charge = COMPILE
-    _count += 1
-    _last = now
-    HEAD.pack_into(slot, 0, _count, _step, code, now)
+        `step` is the number of training steps this process has run, when the caller knows
+        it. The time since the previous record is added to the previous phase's total.
+        """
+        slot = self.slot if self.slot is not None else self.open_file()
+        if slot is False:
+            return
+        now = time.monotonic()
+        if self.count:
+            self.acc[self.charge] += now - self.last
+            _DOUBLE.pack_into(slot, ACC_AT + 8 * self.charge, self.acc[self.charge])
+            if self.charge == _CODES["checkpoint"] and phase != "checkpoint":   # a save ended
+                KEPT.pack_into(slot, KEPT_AT, now, self.step, *self.acc)
+        else:
+            _DOUBLE.pack_into(slot, FIRST_AT, now)
+        code = _CODES.get(phase, 5)
+        if step is not None and step != self.step:
+            self.step = step
+            _DOUBLE.pack_into(slot, RING_AT + 8 * (step % RING), now)
+        self.charge = code
+        if code in self.first_calls:
+            self.first_calls.discard(code)
+            self.charge = COMPILE
+        self.count += 1
+        self.last = now
+        HEAD.pack_into(slot, 0, self.count, self.step, code, now)
 
+    def open_file(self) -> mmap.mmap | bool:
+        """Map this rank's slot file ($JDP_PROGRESS_FILE), or False when there is none."""
+        try:
+            with open(os.environ[_env.PROGRESS_FILE], "r+b") as f:
+                self.slot = mmap.mmap(f.fileno(), SLOT_SIZE)   # the map outlives the file
+        except (KeyError, OSError, ValueError):
+            self.slot = False
+        if self.slot is not False:
+            atexit.register(self.finished)   # after JAX's (LIFO): runs before its barrier
+        return self.slot
 
-def _open_slot() -> mmap.mmap | bool:
-    """Map this rank's slot file ($JDP_PROGRESS_FILE), or False when there is none."""
-    global _slot
-    try:
-        with open(os.environ[_env.PROGRESS_FILE], "r+b") as f:
-            _slot = mmap.mmap(f.fileno(), SLOT_SIZE)   # the map outlives the file
-    except (KeyError, OSError, ValueError):
-        _slot = False
-    if _slot is not False:
-        atexit.register(_finished)   # after JAX's (LIFO): runs before its shutdown barrier
-    return _slot
+    def memory_slot(self) -> mmap.mmap:
+        """A slot in this process's memory, for a watchdog thread of this process to read
+        (when no supervisor gave a slot file)."""
+        if not isinstance(self.slot, mmap.mmap):
+            self.slot = mmap.mmap(-1, SLOT_SIZE)
+            atexit.register(self.finished)
+        return self.slot
 
+    def open(self) -> None:
+        """Make sure this rank records its progress: the supervisor's slot file, else a slot
+        in memory (a multi-process job's peers ask where this rank is: `jdp.job.peers`)."""
+        if (self.slot if self.slot is not None else self.open_file()) is False:
+            self.memory_slot()
 
-def memory_slot() -> mmap.mmap:
-    """A slot in this process's memory, for a watchdog thread of this process to read
-    (when no supervisor gave a slot file)."""
-    global _slot
-    if not isinstance(_slot, mmap.mmap):
-        _slot = mmap.mmap(-1, SLOT_SIZE)
-        atexit.register(_finished)
-    return _slot
+    def current(self) -> tuple[int, int, str] | None:
+        """(progress count, steps run or -1, phase) as last recorded; None without a slot."""
+        if not isinstance(self.slot, mmap.mmap):
+            return None
+        count, step, code, _ = HEAD.unpack_from(self.slot)
+        return count, step, PHASES[code] if code < len(PHASES) else "other"
 
-
-def _finished() -> None:
-    """At exit: this rank's own code is done (a peer still in a step will wait for it)."""
-    if _count:
-        record("done")
+    def finished(self) -> None:
+        """At exit: this rank's own code is done (a peer still in a step will wait for it)."""
+        if self.count:
+            self.record("done")
 
 
 def slot_bytes(path: str, size: int) -> bytes | None:
@@ -138,68 +147,56 @@ def read_slot(path: str) -> tuple[int, int, str] | None:
     return count, step, PHASES[code] if code < len(PHASES) else "other"
 
 
-def stop_flag() -> bool:
-    """True once this process was asked to stop (SIGTERM): a local, unagreed request."""
-    return _local_stop
+class Preemption:
+    """This rank's stop request: SIGTERM's local flag and the decision every rank agreed in a
+    train step's all-reduce (one per process: `jdp.job.rank.current().stop`)."""
 
+    def __init__(self) -> None:
+        self.local = False                 # SIGTERM arrived here
+        self.first_at = 0.0
+        self.agreed = False
+        self.agreed_seen = False           # has a jdp step ever reported an agreed flag?
+        self.handler_installed = False
+        self.pending = None                # the newest step's agreed flag, read on demand
 
-def set_agreed(flag) -> None:
-    """The stop decision every rank computed in the same step's all-reduce: a bool, or a
-    function that reads it (called only when `preempted()` asks, off the step's path)."""
-    global _agreed, _agreed_seen
-    if callable(flag):
-        _pending_agreed[0] = flag
-    else:
-        _agreed = _agreed or bool(flag)
-    _agreed_seen = True
+    def flag(self) -> bool:
+        """True once this process was asked to stop (SIGTERM): a local, unagreed request."""
+        return self.local
 
+    def set_agreed(self, flag) -> None:
+        """The stop decision every rank computed in the same step's all-reduce: a bool, or a
+        function that reads it (called only when `preempted()` asks, off the step's path)."""
+        if callable(flag):
+            self.pending = flag
+        else:
+            self.agreed = self.agreed or bool(flag)
+        self.agreed_seen = True
 
-def _read_agreed() -> bool:
-    global _agreed
-    read, _pending_agreed[0] = _pending_agreed[0], None
-    if read is not None:
-        _agreed = _agreed or bool(read())
-    return _agreed
+    def _read_agreed(self) -> bool:
+        read, self.pending = self.pending, None
+        if read is not None:
+            self.agreed = self.agreed or bool(read())
+        return self.agreed
 
+    def preempted(self) -> bool:
+        """`jdp.preempted()` (see `jdp.job.rank.preempted`)."""
+        self._catch_sigterm()
+        return self._read_agreed() if self.agreed_seen else self.local
 
-def preempted() -> bool:
-    """True once this job was asked to stop (SIGTERM to the launcher or to any rank).
+    def _catch_sigterm(self) -> None:
+        """Install the SIGTERM handler that sets the flag (main thread only, once)."""
+        if self.handler_installed or threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.handler_installed = True
 
-    Call it once per iteration of the training loop; on every rank it turns True at the same
-    iteration, agreed through the train step's own all-reduce (no extra collective), so all
-    ranks can save one checkpoint at one step and leave:
-
-        for batch in loader:
-            state, metrics = step(state, batch)
-            if jdp.preempted():
-                ckpt.save(step_count, state, loader=loader)
-                break
-
-    The first call makes this process catch SIGTERM (until then SIGTERM ends it as usual).
-    Before any jdp train step has run (or with no step at all, e.g. a single process's own
-    loop) it is this process's own flag, not an agreed one.
-    """
-    _catch_sigterm()
-    return _read_agreed() if _agreed_seen else _local_stop
-
-
-def _catch_sigterm() -> None:
-    """Install the SIGTERM handler that sets the stop flag (main thread only, once)."""
-    global _handler_installed
-    if _handler_installed or threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _handler_installed = True
-
-
-def _on_sigterm(signum, frame) -> None:
-    """First SIGTERM: set the flag. A later one (not a duplicate of the first): die of it."""
-    global _local_stop, _first_stop
-    now = time.monotonic()
-    if not _local_stop:
-        _local_stop, _first_stop = True, now
-        return
-    if now - _first_stop < DUPLICATE_SIGTERM_S:
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    def _on_sigterm(self, signum, frame) -> None:
+        """First SIGTERM: set the flag. A later one (not a duplicate of the first): die of it."""
+        now = time.monotonic()
+        if not self.local:
+            self.local, self.first_at = True, now
+            return
+        if now - self.first_at < DUPLICATE_SIGTERM_S:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -178,6 +178,8 @@ def stacks_on_sigusr1() -> None:
     faulthandler writes from the signal handler in C, so it works while the main thread is
     blocked anywhere, in a sleep, a lock or a collective, without the rank's cooperation.
     """
+    # The signal handler (faulthandler's, in C) writes to this file's descriptor for the
+    # process's life, so the module keeps the file open: a rebinding of a module name.
     global _stack_file
     try:
         _stack_file = open(os.environ[STACK_FILE], "w")

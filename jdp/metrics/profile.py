@@ -24,6 +24,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from jdp.job import env as _env
+from jdp.job import rank as _rank
 
 STEPS = _env.PROFILE_STEPS   # "A:B": trace training steps A..B (from 1, both included)
 DIR = _env.PROFILE_DIR       # where every rank writes its trace (rank.K below it)
@@ -58,24 +59,19 @@ def window_from_env(environ=os.environ) -> Window | None:
     return Window(first, last, environ.get(DIR) or DEFAULT_DIR)
 
 
-class _State:
-    window: Window | None = None
-    read = False          # has the environment been read?
-    tracing = False
-
-
 def before_step(n: int) -> Any:
     """Called before training step `n` is dispatched: start the trace at step A. Returns the
     step's annotation (a context manager) while tracing, else None."""
-    if not _State.read:
-        _State.window, _State.read = window_from_env(), True
-    w = _State.window
+    state = _rank.current().profile
+    if not state.read:
+        state.window, state.read = window_from_env(), True
+    w = state.window
     if w is None or not w.first <= n <= w.last:
         return None
     import jax
-    if not _State.tracing and n == w.first:
+    if not state.tracing and n == w.first:
         _start(os.path.join(w.directory, f"rank.{jax.process_index()}"))
-    return jax.profiler.StepTraceAnnotation("train", step_num=n) if _State.tracing else None
+    return jax.profiler.StepTraceAnnotation("train", step_num=n) if state.tracing else None
 
 
 def _start(rank_dir: str) -> None:
@@ -86,20 +82,22 @@ def _start(rank_dir: str) -> None:
     except RuntimeError as e:
         warnings.warn(f"jdp: {STEPS} asked for a trace, but {e} Not tracing.", stacklevel=3)
         return
-    _State.tracing = True
+    _rank.current().profile.tracing = True
     atexit.register(_stop)   # a run that ends before step B still keeps its trace
 
 
 def after_step(n: int, done: Any) -> None:
     """Called once step `n` is dispatched: after step B, wait for it and write the trace."""
-    w = _State.window
-    if _State.tracing and w is not None and n >= w.last:
+    state = _rank.current().profile
+    w = state.window
+    if state.tracing and w is not None and n >= w.last:
         done.block_until_ready()
         _stop()
 
 
 def _stop() -> None:
-    if _State.tracing:
+    state = _rank.current().profile
+    if state.tracing:
         import jax
-        _State.tracing = False
+        state.tracing = False
         jax.profiler.stop_trace()
