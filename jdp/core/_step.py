@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -87,8 +88,10 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
 
     def per_device(state, batch, stop):
         params = _zero.cast(state.params, compute_dtype)
-        grads, _, new_ms, metrics = _grads.device_grads(
+        grads, field, new_ms, metrics = _grads.device_grads(
             state.replace(params=params), batch, stop, **options)
+        if field and options["model_state_sync"] is None:
+            _checks.same_model_state(new_ms, field)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
         if sharded:
             return _zero.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
@@ -223,8 +226,33 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         _checks.global_batch(batch, accum_steps)
 
     transform = functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
-    return _dispatch.make_step(body, check, transform, place_stop,
+    step = _dispatch.make_step(body, check, transform, place_stop,
                                max_in_flight=max_in_flight, train=True, donate=donate)
+    return _model_state_checked(step) if shard_params and model_state_sync is None else step
+
+
+def _model_state_checked(step: Callable) -> Callable:
+    """FSDP's step with `model_state_sync=None`, which keeps device 0's model state: on the
+    first call that has one, a ValueError unless every device's came out the same (the
+    devices' states exist only inside the step, so the step returns one flag per leaf)."""
+    checked = [False]
+
+    def call(state, batch):
+        new, metrics = step(state, batch)
+        flags = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
+        if flags is not None and not checked[0]:
+            checked[0] = True
+            flags = np.asarray(flags.addressable_data(0))
+            if flags.any():
+                field = _grads.model_state_field(new)
+                path = jax.tree_util.tree_flatten_with_path(getattr(new, field))[0][
+                    int(flags.argmax())][0]
+                raise _checks.unsynced_model_state(field + jax.tree_util.keystr(path),
+                                                   "came out different on the devices")
+        return new, metrics
+
+    call.lower = step.lower
+    return call
 
 
 def device_eval_step(state, batch, stop, *, metric_fn):
