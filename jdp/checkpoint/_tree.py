@@ -2,7 +2,8 @@
 
 ZeRO and FSDP store leaves padded on one axis to a multiple of the device count.
 The checkpoint records the logical shape; orbax writes the padded shards as they are and cuts or
-zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 unsharded works.
+zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 unsharded works,
+for a whole state and for FSDP's parameters in any subtree (`state.params`).
 """
 from __future__ import annotations
 

@@ -322,7 +322,8 @@ def boolean_mask(mask: Any) -> None:
 
 
 def per_example(values: Any, b: int) -> None:
-    """Eval metrics must be a dict of per-example values `[b]`."""
+    """Eval metrics must be a dict of per-example values `[b]`, none named "count" (the
+    example count's name in the totals)."""
     if not isinstance(values, dict):
         raise TypeError(f"metric_fn returned {type(values).__name__}: expected a dict of "
                         f"per-example values of shape [{b}]")

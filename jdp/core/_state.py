@@ -3,7 +3,8 @@
 `broadcast` makes every array leaf one global `jax.Array` on `jdp.mesh()`, holding process 0's
 values: replicated, or with the optimizer state sharded (ZeRO). `state.params` is the
 parameters and `jax.device_get(state)` one copy. `shard` makes a process's rows its part of a
-global batch; `unshard` gives a ZeRO state back with every leaf whole and replicated.
+global batch; `unshard` gives a ZeRO or FSDP state (or its parameters) back with every leaf whole
+and replicated.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False,
         tree: a pytree of arrays (a TrainState, params, ...), one copy.
         shard_optimizer: ZeRO-1/2: place the optimiser state (`tree.opt_state`) sharded along
             `jdp.AXIS` instead, each device holding 1/N of it (leaves padded on their leading
-            axis to a multiple of N; scalars replicated); it never exists whole on a device.
+            axis to a multiple of N; scalars and non-float leaves
+            such as a PRNG key replicated); it never exists whole on a device.
             Use it with `jdp.train_step(..., shard_optimizer=True)`.
         shard_params: FSDP / ZeRO-3: the parameters sharded too (and the optimizer state):
             each parameter leaf with an axis becomes a `Sharded` node that reports the model's

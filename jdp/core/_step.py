@@ -165,7 +165,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
             locally and all-reduce once; equals one step on the whole batch.
         model_state_sync: "mean" averages model state (BatchNorm statistics) over devices after
             each step; None for statistics that agree by construction
-            (`nn.BatchNorm(axis_name=jdp.AXIS)`, synced inside the forward pass).
+            (`nn.BatchNorm(axis_name=jdp.AXIS)`, synced inside the forward pass). The state
+            holds one model state, so None with one that differs per device is a ValueError:
+            at trace time (replicated, ZeRO: a leaf computed from the device's batch with no
+            collective over `jdp.AXIS`), or on the first call (FSDP, HSDP: the devices' values
+            compared).
         comm_dtype: floating dtype for the gradient communication (e.g. `jnp.bfloat16`);
             None: as is.
         donate: donate the input state's buffers to the output (the old state is consumed).
@@ -276,7 +280,8 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
     `metric_fn(state, batch)` runs on one device's slice and returns a dict of per-example
     values of shape `[per_device_batch]`. The step sums each over the real examples of all
     devices of all processes (`batch["mask"]` False rows count for nothing) and adds "count",
-    so `sum / count` is the exact mean over the split however it was padded.
+    so `sum / count` is the exact mean over the split however it was padded. A metric named
+    "count" would be overwritten, and is refused (ValueError) while the step traces.
 
     Args:
         metric_fn: `metric_fn(state, batch) -> {name: per-example values [per_device_batch]}`.

@@ -1,10 +1,10 @@
 """Sharded storage over the data axis: the optimizer state (ZeRO-1/2), and the parameters too
 (FSDP / ZeRO-3): how the state is stored and updated.
 
-Stored form: every optimiser-state leaf with an axis is padded on one axis to a multiple of the
-device count N and sharded along `jdp.AXIS` there (ZeRO: the leading axis, device i holding rows
-i*k..(i+1)*k; FSDP: its parameter's axis); scalars (Adam's `count`) stay replicated. The logical
-form (what optax sees) is the unpadded leaf.
+Stored form: every floating optimiser-state leaf with an axis is padded on one axis to a multiple
+of the device count N and sharded along `jdp.AXIS` there (ZeRO: the leading axis, device i
+holding rows i*k..(i+1)*k; FSDP: its parameter's axis); scalars (Adam's `count`) and other leaves
+(a PRNG key, a mask) stay replicated. The logical form (what optax sees) is the unpadded leaf.
 
 The step reduce-scatters the gradients (`lax.psum_scatter`, each device receives the sum of its
 1/N slice), then runs the optimiser *outside* the per-device code, on logical global arrays whose
@@ -15,7 +15,8 @@ given) and added to the replicated parameters. Gradients are never whole after t
 this is ZeRO-2's gradient sharding too.
 
 With the parameters sharded as well (`shard_params`), each parameter leaf is a `Sharded` node
-that reports the model's shape and dtype: its value is padded on one axis (`shard_axis`: never
+that reports the model's shape and dtype (and refuses to act as an array, naming
+`jdp.unshard`): its value is padded on one axis (`shard_axis`: never
 the leading axis of a leaf of 3 or more dimensions, which may be a stack of scanned layers) and
 split along `jdp.AXIS` there, and its optimizer-state leaves are stored the same way. The step
 (`jdp/core/_grads.py`'s `mapped_grads`) leaves the gathers to the compiler, so a scanned model
