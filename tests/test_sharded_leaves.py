@@ -1,13 +1,15 @@
 """FSDP's `Sharded` parameters act as arrays or say what to do: `np.asarray` gives the model's
 value, every other array use names `jdp.unshard`; `jdp.unshard` and `Checkpointer.save` take any
 subtree; non-float optimizer-state leaves (PRNG keys) are never split or padded."""
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import one_line_error
+from conftest import child_env, one_line_error, run_python, write_script
 
 import jdp
 from jdp.checkpoint import Checkpointer
@@ -99,8 +101,9 @@ def test_unshard_of_the_params_subtree_gives_replicated_model_arrays(shard):
 
 def test_unshard_of_a_stored_optimizer_state_alone_says_to_pass_the_state():
     state = sharded_state()
-    one_line_error(ValueError, ["jdp.unshard", "mu", "jdp.unshard(state).opt_state"],
-                   jdp.unshard, state.opt_state)
+    for tree in (state.opt_state, {"params": state.params, "opt_state": state.opt_state}):
+        one_line_error(ValueError, ["jdp.unshard", "mu", "jdp.unshard(state).opt_state"],
+                       jdp.unshard, tree)
     plain = jdp.broadcast(model_params())
     assert jdp.unshard(plain) is plain   # nothing stored split: as it is
 
@@ -157,3 +160,26 @@ def test_add_noise_keeps_its_key_whole_and_trains_as_single_device_optax(layout,
                      got, jax.device_get(params))
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7),
                  sharded, replicated)
+
+
+RESTORE = """
+import json, sys, jax, numpy as np, optax, jdp
+directory, form = sys.argv[1], sys.argv[2]
+zeros = {"params": {"bias": np.zeros(12, np.float32), "kernel": np.zeros((3, 12), np.float32)}}
+template = (jdp.broadcast(zeros) if form == "plain" else jdp.broadcast(jdp.TrainState.create(
+    apply_fn=None, params=zeros, tx=optax.adam(0.1)), shard_params=True).params)
+params = jdp.unshard(jdp.checkpoint.Checkpointer(directory).restore(template))
+print(json.dumps({k: np.asarray(v).tolist() for k, v in params["params"].items()}))
+"""
+
+
+@pytest.mark.parametrize("devices, form", [(2, "plain"), (6, "fsdp")])
+def test_a_saved_params_subtree_restores_on_another_device_count(tmp_path, devices, form):
+    Checkpointer(tmp_path / "ckpt").save(1, sharded_state(True).params)
+    script = write_script(tmp_path, "restore.py", RESTORE)
+    res = run_python([script, tmp_path / "ckpt", form], env=child_env(devices=devices),
+                     timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    for name, want in model_params()["params"].items():
+        np.testing.assert_array_equal(np.asarray(got[name], np.float32), want)

@@ -207,7 +207,7 @@ def unshard(tree: Any) -> Any:
     fsdp = any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded))
     split = fsdp or any(_split(x) for x in jax.tree.leaves(opt_state))
     if not (split and _zero.is_stored(opt_state, logical, _zero.params_group(params))):
-        return _unsharded_params(tree)
+        return _unsharded_params(tree, refuse_split=False)   # e.g. split by the user's own jit
     return tree.replace(params=_unsharded_params(params),
                         opt_state=_zero.gathered(opt_state, logical))
 
@@ -216,17 +216,18 @@ def _split(x: Any) -> bool:
     return not getattr(x, "sharding", _mesh.replicated()).is_fully_replicated
 
 
-def _unsharded_params(tree: Any) -> Any:
-    """`tree` with its `Sharded` leaves whole and replicated; refused when a leaf is stored
-    split without being one (an optimizer state's, padded to a size only the state knows)."""
+def _unsharded_params(tree: Any, refuse_split: bool = True) -> Any:
+    """`tree` with its `Sharded` leaves whole and replicated; refused (`refuse_split`) when
+    another leaf is stored split (an optimizer state's, padded to a size that only the train
+    state knows)."""
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_zero.is_sharded)[0]
+    for path, x in flat if refuse_split else ():
+        if not _zero.is_sharded(x) and _split(x):
+            raise ValueError(
+                f"jdp.unshard: leaf {jax.tree_util.keystr(path) or '<root>'} of shape "
+                f"{x.shape} is stored split along jdp.AXIS (an optimizer state under "
+                "shard_optimizer or shard_params, padded), and only its train state knows "
+                "its model shape: pass the state, e.g. jdp.unshard(state).opt_state")
     if not any(_zero.is_sharded(x) for _, x in flat):
-        for path, x in flat:
-            if _split(x):
-                raise ValueError(
-                    f"jdp.unshard: leaf {jax.tree_util.keystr(path) or '<root>'} of shape "
-                    f"{x.shape} is stored split along jdp.AXIS (an optimizer state under "
-                    "shard_optimizer or shard_params, padded), and only its train state knows "
-                    "its model shape: pass the state, e.g. jdp.unshard(state).opt_state")
         return tree
     return jax.jit(_zero.logical, out_shardings=_mesh.replicated())(tree)

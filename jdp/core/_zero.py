@@ -79,6 +79,8 @@ class Sharded:
                 f"over {'all devices' if self.group is None else f'groups of {self.group}'})")
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if isinstance(self.value, jax.core.Tracer):   # inside the user's jit: a gather
+            raise TypeError(self._not_an_array("np.asarray inside jax.jit"))
         if not getattr(self.value, "is_fully_addressable", True):
             raise TypeError(self._not_an_array(
                 "np.asarray of a parameter split over several processes",
@@ -124,7 +126,6 @@ for _name, _symbol in [("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="), ("e
 for _name, _use in [("neg", "-parameter"), ("pos", "+parameter"), ("abs", "abs(parameter)"),
                     ("invert", "~parameter"), ("getitem", "parameter[...]")]:
     setattr(Sharded, f"__{_name}__", _refuse(_use))
-Sharded.__hash__ = object.__hash__   # __eq__ refuses; identity hashing as eq=False gives
 
 
 jax.tree_util.register_dataclass(Sharded, data_fields=["value"],
