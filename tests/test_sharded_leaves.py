@@ -86,6 +86,18 @@ def test_model_apply_on_sharded_params_names_jdp_unshard(jit):
                    state.params, X)
 
 
+def test_an_nnx_model_merged_from_sharded_params_names_jdp_unshard():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(3, 12, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params,
+                                                tx=optax.adam(0.1)), shard_params=True)
+    one_line_error(TypeError, ["jdp.unshard(state.params)", "(3, 12)"],
+                   lambda: nnx.merge(graphdef, state.params, rest)(X))
+    merged = nnx.merge(graphdef, jdp.unshard(state.params), rest)
+    np.testing.assert_allclose(np.asarray(merged(X)), np.asarray(model(X)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("shard", SHARDINGS)
 def test_unshard_of_the_params_subtree_gives_replicated_model_arrays(shard):
     state = sharded_state(shard)
