@@ -1,7 +1,6 @@
 """Two silent wrong answers made one-line errors: a metric named "count" (the example count's
 name) in `jdp.eval_step` / `jdp.evaluate`, and `model_state_sync=None` with a model state that
 is not one value on every device (replicated, ZeRO, FSDP and HSDP)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
