@@ -26,19 +26,21 @@ def test_a_metric_named_count_is_refused_by_eval_step_and_evaluate():
 
 
 def ms_loss(synced):
-    """A loss whose model state is the batch mean of x: each device's own (differs), or
-    averaged over the devices in the forward pass (one value, as BatchNorm(axis_name=))."""
+    """A loss whose model state adds up batch means of x: "a" the global batch's (averaged over
+    the devices in the forward pass, as BatchNorm(axis_name=)), "m" each device's own unless
+    `synced`."""
     def loss(params, batch, ms):
         mean = jnp.mean(batch["x"])
-        mean = lax.pmean(mean, jdp.AXIS) if synced else mean
-        return jnp.mean((batch["x"] @ params["w"]) ** 2), {"m": ms["m"] + mean}
+        new = {"a": ms["a"] + lax.pmean(mean, jdp.AXIS),
+               "m": ms["m"] + (lax.pmean(mean, jdp.AXIS) if synced else mean)}
+        return jnp.mean((batch["x"] @ params["w"]) ** 2), new
     return loss
 
 
 def ms_state(**layout):
     return jdp.broadcast(jdp.TrainState.create(
         apply_fn=None, params={"w": np.ones((3, 5), np.float32)}, tx=optax.sgd(0.1),
-        model_state={"m": np.zeros((), np.float32)}), **layout)
+        model_state={"a": np.zeros((), np.float32), "m": np.zeros((), np.float32)}), **layout)
 
 
 LAYOUTS = [{}, {"shard_optimizer": True}, {"shard_params": True}, {"shard_params": 4}]
@@ -60,4 +62,5 @@ def test_model_state_sync_none_with_a_model_state_synced_in_the_forward_pass_tra
     state = ms_state(**layout)
     for _ in range(2):
         state, _ = step(state, jdp.shard({"x": X}))
-    np.testing.assert_allclose(float(state.model_state["m"]), 2 * X.mean(), rtol=1e-6)
+    for leaf in ("a", "m"):
+        np.testing.assert_allclose(float(state.model_state[leaf]), 2 * X.mean(), rtol=1e-6)

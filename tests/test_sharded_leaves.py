@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import child_env, one_line_error, run_python, write_script
+from conftest import (
+    child_env,
+    job_env,
+    one_line_error,
+    run_python,
+    start_launcher,
+    write_script,
+)
 
 import jdp
 from jdp.checkpoint import Checkpointer
@@ -195,3 +202,47 @@ def test_a_saved_params_subtree_restores_on_another_device_count(tmp_path, devic
     got = json.loads(res.stdout.strip().splitlines()[-1])
     for name, want in model_params()["params"].items():
         np.testing.assert_array_equal(np.asarray(got[name], np.float32), want)
+
+
+TWO_PROCESSES = """
+import json, sys, jax, jax.numpy as jnp, numpy as np, optax, jdp
+from jax import lax
+jdp.initialize()
+params = {"w": np.arange(36, dtype=np.float32).reshape(3, 12)}
+state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1),
+                                            model_state={"m": np.zeros((), np.float32)}),
+                      shard_params=True)
+out = {}
+try:
+    np.asarray(state.params["w"])
+except TypeError as e:
+    out["asarray"] = str(e)
+out["unsharded"] = np.asarray(jdp.unshard(state.params)["w"]).tolist()
+
+def loss(p, batch, ms):   # the model state: each device's own batch mean
+    return jnp.mean((batch["x"] @ p["w"]) ** 2), {"m": ms["m"] + jnp.mean(batch["x"])}
+
+rows = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+mine = rows[jax.process_index() * 4:(jax.process_index() + 1) * 4]
+try:
+    jdp.train_step(loss, shard_params=True, model_state_sync=None)(state, jdp.shard({"x": mine}))
+except ValueError as e:
+    out["sync"] = str(e)
+with open(f"{sys.argv[1]}/rank{jax.process_index()}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_on_two_processes_a_leaf_split_across_them_and_an_unsynced_model_state_are_named(
+        tmp_path, tag):
+    script = write_script(tmp_path, "two.py", TWO_PROCESSES)
+    launcher = start_launcher(["--nproc_per_node", "2", "--devices_per_process", "2", script,
+                               tmp_path], env=job_env(tag))
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err
+    for rank in (0, 1):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "jdp.unshard(state.params) on every process" in out["asarray"], out
+        assert "\n" not in out["asarray"] + out["sync"]
+        np.testing.assert_array_equal(out["unsharded"], np.arange(36).reshape(3, 12))
+        assert "model_state_sync=None" in out["sync"] and "model_state['m']" in out["sync"]

@@ -238,19 +238,18 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
 def _model_state_checked(step: Callable) -> Callable:
     """FSDP's step with `model_state_sync=None`, which keeps device 0's model state: on the
     first call that has one, a ValueError unless every device's came out the same (the
-    devices' states exist only inside the step, so the step returns one flag per leaf)."""
+    devices' states exist only inside the step, so the step returns which leaf differs)."""
     checked = [False]
 
     def call(state, batch):
         new, metrics = step(state, batch)
-        flags = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
-        if flags is not None and not checked[0]:
+        differs = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
+        if differs is not None and not checked[0]:
             checked[0] = True
-            flags = np.asarray(flags.addressable_data(0))
-            if flags.any():
+            first = int(np.asarray(differs.addressable_data(0)))   # 1 + leaf index, or 0
+            if first:
                 field = _grads.model_state_field(new)
-                path = jax.tree_util.tree_flatten_with_path(getattr(new, field))[0][
-                    int(flags.argmax())][0]
+                path = jax.tree_util.tree_flatten_with_path(getattr(new, field))[0][first - 1][0]
                 raise _checks.unsynced_model_state(field + jax.tree_util.keystr(path),
                                                    "came out different on the devices")
         return new, metrics
