@@ -140,14 +140,14 @@ def test_no_module_patches_the_import_system():
 
 def test_the_version_has_one_source_and_a_changelog_section():
     """pyproject.toml reads the version from jdp.__version__, and CHANGELOG.md's newest section is
-    that version."""
+    that version (below the changes not yet released, if any)."""
     import jdp
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((pathlib.Path(REPO) / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "jdp.__version__"}
     newest = next(line for line in (pathlib.Path(REPO) / "CHANGELOG.md").read_text().splitlines()
-                  if line.startswith("## "))
+                  if line.startswith("## ") and line != "## Unreleased")
     assert newest == f"## {jdp.__version__}", newest
     config = pytest.importorskip("setuptools.config.pyprojecttoml")
     built = config.read_configuration(pathlib.Path(REPO) / "pyproject.toml")

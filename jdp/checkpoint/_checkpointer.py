@@ -108,7 +108,9 @@ class Checkpointer:
 
         Args:
             step: a non-negative integer, larger than every step already saved here.
-            state: the train state, global (ZeRO-sharded or not) or stacked (`jdp.pmap`).
+            state: the train state, global (ZeRO-sharded or not) or stacked (`jdp.pmap`), or
+                any subtree of one (`state.params`: FSDP's parameters are recorded in the
+                model's shapes, so they restore into plain parameters or another layout).
             loader: a `jdp.data.Loader` (anything with a JSON-serialisable `state_dict()`),
                 whose position is stored with the state.
 

@@ -2,7 +2,8 @@
 
 ZeRO and FSDP store leaves padded on one axis to a multiple of the device count.
 The checkpoint records the logical shape; orbax writes the padded shards as they are and cuts or
-zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 unsharded works.
+zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 unsharded works,
+for a whole state and for FSDP's parameters in any subtree (`state.params`).
 """
 from __future__ import annotations
 
@@ -76,15 +77,15 @@ def _keys(path: Any) -> tuple[str, ...]:
 
 
 def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{keys: logical shape} of leaves stored padded on one axis: ZeRO's and FSDP's optimizer
-    state (`tx.init(params)`'s shapes) and FSDP's parameters (`Sharded`)."""
+    """{keys: logical shape} of leaves stored padded on one axis: FSDP's parameters (`Sharded`,
+    wherever they sit: a whole state, `state.params` or any subtree) and ZeRO's and FSDP's
+    optimizer state (`tx.init(params)`'s shapes, known from a whole train state)."""
+    out = {_keys(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=is_sharded)[0] if is_sharded(x)}
     try:
         opt_state, logical = state.opt_state, logical_opt_state(state)
-    except Exception:  # noqa: BLE001 - not an optax train state we understand: no padding
-        return {}
-    out = {_keys((jax.tree_util.GetAttrKey("params"), *path)): tuple(x.shape)
-           for path, x in jax.tree_util.tree_flatten_with_path(
-               state.params, is_leaf=is_sharded)[0] if is_sharded(x)}
+    except Exception:  # noqa: BLE001 - not an optax train state we understand: no more padding
+        return out
     if jax.tree.structure(logical) != jax.tree.structure(opt_state):
         return out
     stored = jax.tree_util.tree_flatten_with_path(opt_state)[0]

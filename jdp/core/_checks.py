@@ -65,6 +65,28 @@ def hsdp_loss_collectives(comm_dtype: Any, group: int) -> None:
             "state after the step (model_state_sync='mean')")
 
 
+def unsynced_model_state(leaf: str, how: str) -> ValueError:
+    """`model_state_sync=None` with a model state that is not one value on every device."""
+    return ValueError(
+        f"model_state_sync=None: the new model state {leaf} {how}, but the state holds one "
+        "value for all the devices: "
+        "sync it in the model (e.g. nn.BatchNorm(axis_name=jdp.AXIS)), or pass "
+        "model_state_sync='mean' to average it after each step")
+
+
+def same_model_state(new_ms: Any, field: str) -> None:
+    """`model_state_sync=None` inside `shard_map`: no leaf of the new model state may vary
+    over `jdp.AXIS` (said at trace time, by the value's type)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(new_ms)[0]:
+        # The aval's `manual_axis_type.varying` is shard_map's record of the axes a value
+        # varies over (what its out_specs check reads); JAX has no function that returns it.
+        varying = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ())
+        if _mesh.AXIS in varying:
+            raise unsynced_model_state(field + name(path).replace("<root>", ""),
+                                       "is computed from each device's batch with no "
+                                       "collective over jdp.AXIS, so it may vary by device")
+
+
 def trainable(params: Any) -> None:
     """The parameters the gradient is taken of: at least one leaf, every leaf floating."""
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_zero.is_sharded)[0]
@@ -143,7 +165,7 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
                          "with jdp.broadcast(state, shard_params=True)" if shard_params else
                          "the parameters are sharded (jdp.broadcast(state, shard_params=True)):"
                          " pass shard_params=True to the step too")
-    zero = [_row_sharded(x) for x in opt_leaves if x.ndim]
+    zero = [_row_sharded(x) for x in opt_leaves if _zero.opt_axis(x, False) is not None]
     if (shard_optimizer or shard_params) and not all(zero):
         raise ValueError("shard_optimizer=True: the optimizer state is not sharded; place the "
                          "state with jdp.broadcast(state, shard_optimizer=True)")
@@ -300,10 +322,15 @@ def boolean_mask(mask: Any) -> None:
 
 
 def per_example(values: Any, b: int) -> None:
-    """Eval metrics must be a dict of per-example values `[b]`."""
+    """Eval metrics must be a dict of per-example values `[b]`, none named "count" (the
+    example count's name in the totals)."""
     if not isinstance(values, dict):
         raise TypeError(f"metric_fn returned {type(values).__name__}: expected a dict of "
                         f"per-example values of shape [{b}]")
+    if "count" in values:
+        raise ValueError("metric_fn returned a metric named 'count', the name jdp.eval_step and "
+                         "jdp.evaluate give the number of examples (it would be overwritten): "
+                         "rename it, e.g. 'n_correct'")
     for k, v in values.items():
         if jnp.shape(v) != (b,):
             raise ValueError(f"metric_fn value {k!r} has shape {jnp.shape(v)}: expected "

@@ -21,6 +21,7 @@ from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
 STOP = "_jdp_stop"  # the preemption flag, carried in the metrics' all-reduce
+MODEL_STATE_DIFFERS = "_jdp_model_state_differs"  # FSDP's model_state_sync=None check
 
 
 def model_state_field(state: Any) -> str | None:
@@ -162,7 +163,22 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     metrics = {"loss": losses, **(metrics if isinstance(metrics, dict) else {"aux": metrics})}
     metrics = jax.tree.map(lambda m: jnp.mean(jnp.asarray(m, jnp.float32)), metrics)
     metrics[STOP] = jnp.sum(stop).astype(jnp.float32) / n
+    if field and model_state_sync is None and jax.tree.leaves(ms):
+        metrics[MODEL_STATE_DIFFERS] = _first_differing_leaf(ms)   # device 0's is kept: all same?
     return grads, _merge_model_state(ms, model_state_sync), metrics
+
+
+def _first_differing_leaf(ms: Any) -> jax.Array:
+    """1 + the index of the first leaf of the devices' model states `[n, ...]` where some
+    device's differs from device 0's (NaN agreeing with NaN), or 0: a scalar, so replicated
+    on every process like the loss."""
+    def differs(x):
+        same = x == x[0]
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            same = same | (jnp.isnan(x) & jnp.isnan(x[0]))
+        return jnp.any(~same)
+    flags = jnp.stack([differs(x) for x in jax.tree.leaves(ms)])
+    return jnp.where(jnp.any(flags), jnp.argmax(flags) + 1, 0).astype(jnp.float32)
 
 
 def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, scale,

@@ -3,7 +3,8 @@
 `broadcast` makes every array leaf one global `jax.Array` on `jdp.mesh()`, holding process 0's
 values: replicated, or with the optimizer state sharded (ZeRO). `state.params` is the
 parameters and `jax.device_get(state)` one copy. `shard` makes a process's rows its part of a
-global batch; `unshard` gives a ZeRO state back with every leaf whole and replicated.
+global batch; `unshard` gives a ZeRO or FSDP state (or its parameters) back with every leaf whole
+and replicated.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False,
         tree: a pytree of arrays (a TrainState, params, ...), one copy.
         shard_optimizer: ZeRO-1/2: place the optimiser state (`tree.opt_state`) sharded along
             `jdp.AXIS` instead, each device holding 1/N of it (leaves padded on their leading
-            axis to a multiple of N; scalars replicated); it never exists whole on a device.
+            axis to a multiple of N; scalars and non-float leaves
+            such as a PRNG key replicated); it never exists whole on a device.
             Use it with `jdp.train_step(..., shard_optimizer=True)`.
         shard_params: FSDP / ZeRO-3: the parameters sharded too (and the optimizer state):
             each parameter leaf with an axis becomes a `Sharded` node that reports the model's
@@ -169,12 +171,19 @@ def divisible_rows(rows: Any, who: str) -> Any:
     return jax.tree_util.tree_map_with_path(check, rows)
 
 
-def unshard(state: Any) -> Any:
-    """The state with every leaf whole and replicated on `jdp.mesh()`, in the model's shapes.
+def unshard(tree: Any) -> Any:
+    """`tree` with every leaf whole and replicated on `jdp.mesh()`, in the model's shapes.
 
-    A ZeRO or FSDP state (`broadcast(state, shard_optimizer=True)` or `shard_params=True`)
-    gets its parameters and optimizer state back unpadded; a replicated state comes back as
-    it is. For export and inspection.
+    A ZeRO or FSDP train state (`broadcast(state, shard_optimizer=True)` or `shard_params=True`)
+    gets its parameters and optimizer state back unpadded; any other tree (`state.params`, a
+    dict of its leaves) gets its sharded parameters (`Sharded` leaves) back as plain arrays.
+    What is stored plainly comes back as it is. For export and inspection: a collective, so
+    every process calls it.
+
+    Raises:
+        ValueError: `tree` holds optimizer-state leaves stored split (padded) without their
+            train state (e.g. `unshard(state.opt_state)`), whose model shapes only the state
+            knows: pass the state, `jdp.unshard(state).opt_state`.
 
     Example:
         >>> import jdp, optax
@@ -184,21 +193,41 @@ def unshard(state: Any) -> Any:
         >>> full = jdp.unshard(fsdp)
         >>> full.params["w"].shape, full.opt_state[0].mu["w"].shape
         ((3,), (3,))
+        >>> jdp.unshard(fsdp.params)["w"].sharding.is_fully_replicated
+        True
     """
-    if forms.tree_form(state, "jdp.unshard") == forms.PMAP:
+    if forms.tree_form(tree, "jdp.unshard") == forms.PMAP:
         raise ValueError("jdp.unshard: the state is in the pmap form (placed by jdp.pmap), "
                          "whose leaves are whole already: jdp.pmap.unreplicate(state) gives "
                          "one copy")
-    opt_state = getattr(state, "opt_state", None)
-    if opt_state is None or getattr(state, "tx", None) is None:
-        return state
-    logical = _zero.logical_opt_state(state)
-    params = state.params
+    if getattr(tree, "tx", None) is None or getattr(tree, "opt_state", None) is None:
+        return _unsharded_params(tree)
+    logical = _zero.logical_opt_state(tree)
+    opt_state, params = tree.opt_state, tree.params
     fsdp = any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded))
-    split = fsdp or any(not getattr(x, "sharding", _mesh.replicated()).is_fully_replicated
-                        for x in jax.tree.leaves(opt_state))
+    split = fsdp or any(_split(x) for x in jax.tree.leaves(opt_state))
     if not (split and _zero.is_stored(opt_state, logical, _zero.params_group(params))):
-        return state
-    if fsdp:
-        params = jax.jit(_zero.logical, out_shardings=_mesh.replicated())(params)
-    return state.replace(params=params, opt_state=_zero.gathered(opt_state, logical))
+        return _unsharded_params(tree, refuse_split=False)   # e.g. split by the user's own jit
+    return tree.replace(params=_unsharded_params(params),
+                        opt_state=_zero.gathered(opt_state, logical))
+
+
+def _split(x: Any) -> bool:
+    return not getattr(x, "sharding", _mesh.replicated()).is_fully_replicated
+
+
+def _unsharded_params(tree: Any, refuse_split: bool = True) -> Any:
+    """`tree` with its `Sharded` leaves whole and replicated; refused (`refuse_split`) when
+    another leaf is stored split (an optimizer state's, padded to a size that only the train
+    state knows)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_zero.is_sharded)[0]
+    for path, x in flat if refuse_split else ():
+        if not _zero.is_sharded(x) and _split(x):
+            raise ValueError(
+                f"jdp.unshard: leaf {jax.tree_util.keystr(path) or '<root>'} of shape "
+                f"{x.shape} is stored split along jdp.AXIS (an optimizer state under "
+                "shard_optimizer or shard_params, padded), and only its train state knows "
+                "its model shape: pass the state, e.g. jdp.unshard(state).opt_state")
+    if not any(_zero.is_sharded(x) for _, x in flat):
+        return tree
+    return jax.jit(_zero.logical, out_shardings=_mesh.replicated())(tree)

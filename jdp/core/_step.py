@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -87,8 +88,10 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
 
     def per_device(state, batch, stop):
         params = _zero.cast(state.params, compute_dtype)
-        grads, _, new_ms, metrics = _grads.device_grads(
+        grads, field, new_ms, metrics = _grads.device_grads(
             state.replace(params=params), batch, stop, **options)
+        if field and options["model_state_sync"] is None:
+            _checks.same_model_state(new_ms, field)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
         if sharded:
             return _zero.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
@@ -162,7 +165,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
             locally and all-reduce once; equals one step on the whole batch.
         model_state_sync: "mean" averages model state (BatchNorm statistics) over devices after
             each step; None for statistics that agree by construction
-            (`nn.BatchNorm(axis_name=jdp.AXIS)`, synced inside the forward pass).
+            (`nn.BatchNorm(axis_name=jdp.AXIS)`, synced inside the forward pass). The state
+            holds one model state, so None with one that differs per device is a ValueError:
+            at trace time (replicated, ZeRO: a leaf computed from the device's batch with no
+            collective over `jdp.AXIS`), or on the first call (FSDP, HSDP: the devices' values
+            compared).
         comm_dtype: floating dtype for the gradient communication (e.g. `jnp.bfloat16`);
             None: as is.
         donate: donate the input state's buffers to the output (the old state is consumed).
@@ -228,8 +235,32 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype,
         donate=donate, shard_optimizer=shard_optimizer, shard_params=shard_params,
         compute_dtype=compute_dtype, cast_batch=cast_batch)
-    return _dispatch.make_step(body, check, transform, place_stop, max_in_flight=max_in_flight,
+    step = _dispatch.make_step(body, check, transform, place_stop, max_in_flight=max_in_flight,
                                train=True, donate=donate, announce=announce)
+    return _model_state_checked(step) if shard_params and model_state_sync is None else step
+
+
+def _model_state_checked(step: Callable) -> Callable:
+    """FSDP's step with `model_state_sync=None`, which keeps device 0's model state: on the
+    first call that has one, a ValueError unless every device's came out the same (the
+    devices' states exist only inside the step, so the step returns which leaf differs)."""
+    checked = [False]
+
+    def call(state, batch):
+        new, metrics = step(state, batch)
+        differs = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
+        if differs is not None and not checked[0]:
+            checked[0] = True
+            first = int(np.asarray(differs.addressable_data(0)))   # 1 + leaf index, or 0
+            if first:
+                field = _grads.model_state_field(new)
+                path = jax.tree_util.tree_flatten_with_path(getattr(new, field))[0][first - 1][0]
+                raise _checks.unsynced_model_state(field + jax.tree_util.keystr(path),
+                                                   "came out different on the devices")
+        return new, metrics
+
+    call.lower = step.lower
+    return call
 
 
 def device_eval_step(state, batch, stop, *, metric_fn):
@@ -253,7 +284,8 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
     `metric_fn(state, batch)` runs on one device's slice and returns a dict of per-example
     values of shape `[per_device_batch]`. The step sums each over the real examples of all
     devices of all processes (`batch["mask"]` False rows count for nothing) and adds "count",
-    so `sum / count` is the exact mean over the split however it was padded.
+    so `sum / count` is the exact mean over the split however it was padded. A metric named
+    "count" would be overwritten, and is refused (ValueError) while the step traces.
 
     Args:
         metric_fn: `metric_fn(state, batch) -> {name: per-example values [per_device_batch]}`.

@@ -1,10 +1,10 @@
 """Sharded storage over the data axis: the optimizer state (ZeRO-1/2), and the parameters too
 (FSDP / ZeRO-3): how the state is stored and updated.
 
-Stored form: every optimiser-state leaf with an axis is padded on one axis to a multiple of the
-device count N and sharded along `jdp.AXIS` there (ZeRO: the leading axis, device i holding rows
-i*k..(i+1)*k; FSDP: its parameter's axis); scalars (Adam's `count`) stay replicated. The logical
-form (what optax sees) is the unpadded leaf.
+Stored form: every floating optimiser-state leaf with an axis is padded on one axis to a multiple
+of the device count N and sharded along `jdp.AXIS` there (ZeRO: the leading axis, device i
+holding rows i*k..(i+1)*k; FSDP: its parameter's axis); scalars (Adam's `count`) and other leaves
+(a PRNG key, a mask) stay replicated. The logical form (what optax sees) is the unpadded leaf.
 
 The step reduce-scatters the gradients (`lax.psum_scatter`, each device receives the sum of its
 1/N slice), then runs the optimiser *outside* the per-device code, on logical global arrays whose
@@ -15,7 +15,8 @@ given) and added to the replicated parameters. Gradients are never whole after t
 this is ZeRO-2's gradient sharding too.
 
 With the parameters sharded as well (`shard_params`), each parameter leaf is a `Sharded` node
-that reports the model's shape and dtype: its value is padded on one axis (`shard_axis`: never
+that reports the model's shape and dtype (and refuses to act as an array, naming
+`jdp.unshard`): its value is padded on one axis (`shard_axis`: never
 the leading axis of a leaf of 3 or more dimensions, which may be a stack of scanned layers) and
 split along `jdp.AXIS` there, and its optimizer-state leaves are stored the same way. The step
 (`jdp/core/_grads.py`'s `mapped_grads`) leaves the gathers to the compiler, so a scanned model
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.core import meta as flax_meta
 from jax import lax
 
 from jdp.core import _mesh
@@ -40,11 +42,17 @@ from jdp.core._mesh import AXIS
 from jdp.distributed import devices_per_node
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Sharded:
     """A parameter stored 1/N per device: `value` is padded on `axis` to a multiple of the device
     count and split along `jdp.AXIS` there; `shape`, `dtype`, `ndim` and `size` are the
-    parameter's own (the model's), like a PyTorch FSDP2 DTensor's."""
+    parameter's own (the model's), like a PyTorch FSDP2 DTensor's.
+
+    It is not an array: `np.asarray(leaf)` gives the model-shaped value (gathered to this host,
+    for inspection); array arithmetic, indexing, `jnp.asarray` and array methods, in or out of
+    `jax.jit`, raise a one-line TypeError naming `jdp.unshard`, since a silent gather of every
+    parameter inside a user's function would undo FSDP's memory saving.
+    """
 
     value: Any
     shape: tuple[int, ...]
@@ -52,8 +60,8 @@ class Sharded:
     group: int | None = None   # HSDP: split within groups of this many devices; None: all
 
     @property
-    def dtype(self) -> Any:
-        return self.value.dtype
+    def dtype(self) -> Any:   # None when a tree map put a non-array (a shape, a spec) inside
+        return getattr(self.value, "dtype", None)
 
     @property
     def ndim(self) -> int:
@@ -63,9 +71,68 @@ class Sharded:
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"Sharded(shape={self.shape}, dtype={self.dtype}, split on axis {self.axis} "
+                f"over {'all devices' if self.group is None else f'groups of {self.group}'})")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if isinstance(self.value, jax.core.Tracer):   # inside the user's jit: a gather
+            raise TypeError(self._not_an_array("np.asarray inside jax.jit"))
+        if not getattr(self.value, "is_fully_addressable", True):
+            raise TypeError(self._not_an_array(
+                "np.asarray of a parameter split over several processes",
+                "jdp.unshard(state.params) on every process, then np.asarray"))
+        whole = np.asarray(jax.device_get(self.value))[tuple(slice(0, d) for d in self.shape)]
+        return whole.astype(dtype) if dtype is not None else whole
+
+    def __jax_array__(self) -> Any:
+        raise TypeError(self._not_an_array("a JAX array of it (jnp.asarray, or a jnp/lax op)"))
+
+    __array_ufunc__ = None   # numpy operators defer to the dunders below, which say what to do
+
+    def unbox(self) -> Any:   # flax unboxes a parameter (`meta.unbox`) before a module uses it
+        raise TypeError(self._not_an_array("model.apply(state.params, ...)"))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("value", "shape", "axis", "group"):
+            raise AttributeError(name)   # protocol probes, and fields not yet set (a copy)
+        raise AttributeError(self._not_an_array(f".{name}"))
+
+    def _not_an_array(self, use: str, fix: str = "jdp.unshard(state.params)") -> str:
+        option = True if self.group is None else self.group
+        return (f"{use}: this parameter of shape {self.shape} is stored sharded by "
+                f"jdp.broadcast(shard_params={option!r}), not as an array; call {fix} (or "
+                "jdp.unshard(state)) for the model's arrays, or train with "
+                f"jdp.train_step(..., shard_params={option!r})")
+
+
+def _refuse(use: str) -> Any:
+    def op(self: Sharded, *other: Any) -> Any:
+        raise TypeError(self._not_an_array(use))
+    return op
+
+
+for _name, _symbol in [("add", "+"), ("sub", "-"), ("mul", "*"), ("truediv", "/"),
+                       ("floordiv", "//"), ("mod", "%"), ("pow", "**"), ("matmul", "@"),
+                       ("and", "&"), ("or", "|"), ("xor", "^")]:
+    setattr(Sharded, f"__{_name}__", _refuse(f"parameter {_symbol} x"))
+    setattr(Sharded, f"__r{_name}__", _refuse(f"x {_symbol} parameter"))
+for _name, _symbol in [("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="), ("eq", "=="),
+                       ("ne", "!=")]:   # Python reflects a comparison into its mirror image
+    setattr(Sharded, f"__{_name}__", _refuse(f"parameter {_symbol} x"))
+for _name, _use in [("neg", "-parameter"), ("pos", "+parameter"), ("abs", "abs(parameter)"),
+                    ("invert", "~parameter"), ("getitem", "parameter[...]")]:
+    setattr(Sharded, f"__{_name}__", _refuse(_use))
+
 
 jax.tree_util.register_dataclass(Sharded, data_fields=["value"],
                                  meta_fields=["shape", "axis", "group"])
+# A flax module takes a parameter box (flax's `AxisMetadata`, e.g. `nn.Partitioned`) apart with
+# `unbox()` before use: as one, a `Sharded` parameter says what to do, not a shape mismatch.
+flax_meta.AxisMetadata.register(Sharded)
 
 
 def group_size(shard_params: Any) -> int | None:
@@ -96,10 +163,14 @@ def shard_axis(shape: tuple[int, ...]) -> int | None:
     return 1 if len(shape) == 2 and shape[1] >= shape[0] else 0
 
 
-def opt_axis(shape: tuple[int, ...], fsdp: bool) -> int | None:
-    """The axis an optimizer-state leaf is stored split on: its parameter's under FSDP (the
-    update then needs no reshuffle), the leading axis under ZeRO; None for a scalar."""
-    if not shape:
+def opt_axis(leaf: Any, fsdp: bool) -> int | None:
+    """The axis an optimizer-state leaf (anything with a shape and dtype) is stored split on:
+    its parameter's under FSDP (the update then needs no reshuffle), the leading axis under
+    ZeRO; None (replicated) for a scalar, and for a leaf that is not floating: a PRNG key
+    (`optax.add_noise`'s), a counter or a mask is one value, not rows to divide, and padding
+    it would make it another value."""
+    shape = tuple(leaf.shape)
+    if not shape or not jnp.issubdtype(leaf.dtype, jnp.inexact):
         return None
     return shard_axis(shape) if fsdp else 0
 
@@ -141,7 +212,7 @@ def sharded_host(value: np.ndarray, fsdp: bool = False,
                  group: int | None = None) -> tuple[np.ndarray, Any]:
     """(stored host value, sharding) of one optimiser-state leaf."""
     value = np.asarray(value)
-    axis = opt_axis(value.shape, fsdp)
+    axis = opt_axis(value, fsdp)
     if axis is None:
         return value, _mesh.replicated()
     return _pad(value, _ways(group), axis), split_on(axis, group)
@@ -158,7 +229,7 @@ def is_stored(opt_state: Any, logical: Any, group: int | None = None) -> bool:
     n = _ways(group)
     have = jax.tree.map(lambda x: tuple(x.shape), opt_state)
     for fsdp in (False, True):
-        want = jax.tree.map(lambda s, f=fsdp: _padded_shape(s.shape, opt_axis(s.shape, f), n),
+        want = jax.tree.map(lambda s, f=fsdp: _padded_shape(s.shape, opt_axis(s, f), n),
                             logical)
         if jax.tree.structure(want) == jax.tree.structure(have) and jax.tree.leaves(
                 want) == jax.tree.leaves(have):
@@ -213,7 +284,7 @@ def apply(state: Any, grad_rows: Any, comm_dtype: Any) -> Any:
     opt_state = jax.tree.map(lambda x, like: _unpad_like(x, like, sharded, group),
                              state.opt_state, logical_opt)
     updates, opt_state = state.tx.update(grads, opt_state, params)
-    opt_state = jax.tree.map(lambda x: _store(x, opt_axis(x.shape, sharded), group), opt_state)
+    opt_state = jax.tree.map(lambda x: _store(x, opt_axis(x, sharded), group), opt_state)
     replicated = _mesh.replicated()
 
     def gather(u):  # the all-gather: every device gets all updated rows
@@ -242,7 +313,7 @@ def _logical_of(x: jax.Array, like: Any, axis: int | None, group: int | None) ->
 
 def _unpad_like(x: jax.Array, like: Any, fsdp: bool = False, group: int | None = None):
     """The logical leaf (`like`'s shape) of a stored one, kept split as stored."""
-    return _logical_of(x, like, opt_axis(like.shape, fsdp), group)
+    return _logical_of(x, like, opt_axis(like, fsdp), group)
 
 
 def _store(x: jax.Array, axis: int | None, group: int | None = None) -> jax.Array:
