@@ -42,13 +42,13 @@ def stuck_at_step(rank: int, bad_rank: int, stuck_step: int) -> None:
     import jax
     import numpy as np
 
-    from jdp.job import rank
+    from jdp.job import rank as _rank
 
     step_fn = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")
     x = np.ones(jax.local_device_count(), np.float32)
     for step in range(1, 10**6):
-        rank.record("data", step - 1)
+        _rank.record("data", step - 1)
         if rank == bad_rank and step == stuck_step + 1:
             time.sleep(10**6)   # STUCK HERE
-        rank.record("step", step)
+        _rank.record("step", step)
         step_fn(x).block_until_ready()

@@ -60,7 +60,7 @@ CASES = {   # case: the words of the one line (first: the call it names)
                     "process 1 finished its script after step 4"],
     "options": ["jdp.train_step", "disagree on shard_params", "False on process(es) 0",
                 "2 on process(es) 1"],
-    "directory": ["Checkpointer.save", "disagree on directory", "ck0 on process(es) 0",
+    "directory": ["Checkpointer.save", "disagree on the directory", "ck0 on process(es) 0",
                   "ck1 on process(es) 1", "one shared directory"],
 }
 

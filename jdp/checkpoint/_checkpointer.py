@@ -365,7 +365,7 @@ class Checkpointer:
         """Raise on every process unless all call `what` on the same directory with the same
         `step` (and, saving, the same state's `leaves`); a process that skips the call is
         named (`jdp.distributed.agree`)."""
-        facts = [("directory", self.directory), ("step", str(step)), *(leaves or [])]
+        facts = [("the directory", self.directory), ("the step", str(step)), *(leaves or [])]
         agree(f"checkpoint-{what}", facts, f"Checkpointer.{what}",
               f"every process must call {what} with the same step and state on one shared "
               "directory (the same path on every process)", self.timeout_s)

@@ -135,6 +135,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     _rank.current().progress.open()   # a peer waiting in a collective call may ask where
     atexit.register(_rank.current().peers.script_finished)   # after JAX's: before its barrier
     _install_fail_fast_excepthook()
+    _run.on_failure(_rank.current().peers.failing)   # peers name the error, not a lost rank
     _start_watchdog(env)
 
 
@@ -328,10 +329,8 @@ def _install_fail_fast_excepthook() -> None:
     previous = sys.excepthook
 
     def fail_fast(exc_type, exc, tb):
-        peers = _rank.current().peers
-        if (lost := peers.lost(exc)) is None:
-            peers.failing(exc)   # the peers name this failure, not a lost process
-        elif hasattr(exc, "add_note"):
+        lost = _rank.current().peers.lost(exc)
+        if lost is not None and hasattr(exc, "add_note"):
             exc.add_note(lost)   # the failed collective's own message names no process
         _run.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
 

@@ -44,6 +44,13 @@ _LOST_PEER = re.compile(r"gloo|nccl|connection (closed|reset) by peer|coordinati
                         re.IGNORECASE)
 _stack_file = None   # kept open: faulthandler writes to its descriptor
 _leaving: list = []  # the status a watchdog thread is ending this process with (see below)
+_on_failure: list = []   # called with the exception before a failing rank leaves (`on_failure`)
+
+
+def on_failure(hook: Callable[[BaseException], None]) -> None:
+    """Have `report_failure` call `hook(exc)` before it leaves, unless `exc` looks like the
+    echo of a lost peer (the peers' connections tell this process's failure to the others)."""
+    _on_failure.append(hook)
 
 
 def exit_now(code: int) -> NoReturn:
@@ -68,6 +75,10 @@ def report_failure(code: int = 1, exc: BaseException | None = None) -> NoReturn:
     if _leaving:   # a watchdog ends the job; the main thread's collective failing is its echo
         exit_now(_leaving[0])
     exc = exc if exc is not None else sys.exc_info()[1]
+    if not _lost_peer(exc):
+        for hook in _on_failure:
+            with contextlib.suppress(Exception):
+                hook(exc)
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
     sys.stderr.write(text)
     if os.environ.get(ERROR_FILE):
@@ -147,10 +158,10 @@ def guarded(target: Callable[[], object]) -> None:
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)  # what Python prints for sys.exit("message")
         exit_now(code)
-    except KeyboardInterrupt:
-        report_failure(130)
     except BaseException:  # noqa: B036 - every failure must leave promptly
-        report_failure(1)
+        if getattr(sys.excepthook, "_jdp_previous", None):   # jdp.initialize()'s, which
+            sys.excepthook(*sys.exc_info())                  # tells the peers first
+        report_failure(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1)
 
 
 def die_with_supervisor() -> None:
