@@ -209,7 +209,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     _checks.dtype_option("compute_dtype", compute_dtype)
     _checks.bool_options(has_aux=has_aux, donate=donate, shard_optimizer=shard_optimizer,
                          cast_batch=cast_batch)
-    _checks.shard_params_option(shard_params)
+    shard_params = _checks.shard_params_option(shard_params)
     _checks.fsdp_comm_dtype(shard_params, comm_dtype, compute_dtype)
     body = functools.partial(
         _global_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
