@@ -78,3 +78,49 @@ def test_a_step_with_other_groups_than_the_state_names_both(step_value, words):
 def test_broadcast_of_a_plain_tree_with_a_group_size_names_the_group():
     one_line_error(TypeError, ["jdp.broadcast(shard_params=4)", "no opt_state"],
                    jdp.broadcast, {"w": np.zeros(3)}, shard_params=4)
+
+
+# --- jdp.evaluate and the Loader: what is not a split, named as what it is ------------------
+
+def _sq(state, batch):
+    return {"sq": batch["x"] * state["w"]}
+
+
+@pytest.mark.parametrize("size", [0, -8])
+def test_a_loader_batch_size_below_1_is_refused(size):
+    one_line_error(ValueError, [f"batch_size={size}", "int >= 1"],
+                   jdp.data.Loader, {"x": np.zeros(16, np.float32)}, batch_size=size)
+
+
+@pytest.mark.parametrize("size", [0, -8])
+def test_evaluate_refuses_a_batch_size_below_1_instead_of_its_default(size):
+    one_line_error(ValueError, ["jdp.evaluate", f"batch_size={size}", "int >= 1"],
+                   jdp.evaluate, _sq, jdp.broadcast({"w": np.float32(2)}),
+                   {"x": np.ones(16, np.float32)}, batch_size=size)
+
+
+def test_evaluate_names_an_empty_split():
+    one_line_error(ValueError, ["jdp.evaluate", "empty (0 examples)"], jdp.evaluate, _sq,
+                   jdp.broadcast({"w": np.float32(2)}), {"x": np.ones(0, np.float32)})
+
+
+def test_evaluate_names_a_list_of_the_loaders_batches():
+    n = jax.local_device_count()
+    loader = jdp.data.Loader({"x": np.ones(4 * n, np.float32)}, batch_size=2 * n)
+    one_line_error(TypeError, ["jdp.evaluate", "list of batches", "Loader"], jdp.evaluate, _sq,
+                   jdp.broadcast({"w": np.float32(2)}), list(loader))
+
+
+def test_evaluate_names_shard_batches_and_an_iterator():
+    n = jax.local_device_count()
+    batch = jdp.shard({"x": np.ones(2 * n, np.float32)})
+    one_line_error(TypeError, ["tuple of batches"], jdp.evaluate, _sq,
+                   jdp.broadcast({"w": np.float32(2)}), (batch, batch))
+    one_line_error(TypeError, ["list_iterator of batches"], jdp.evaluate, _sq,
+                   jdp.broadcast({"w": np.float32(2)}), iter([batch]))
+
+
+def test_evaluate_still_reads_a_list_of_examples():
+    examples = [{"x": np.float32(i)} for i in range(10)]
+    got = jdp.evaluate(_sq, jdp.broadcast({"w": np.float32(2)}), examples, batch_size=8)
+    assert got == {"sq": 2 * np.mean(np.arange(10)), "count": 10.0}
