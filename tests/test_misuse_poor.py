@@ -1,11 +1,14 @@
 """Misuse that used to work badly or say the wrong thing (issue 40's POOR cases): each is a
 one-line error naming the value the user wrote and the fix, a warning, or it simply works."""
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import one_line_error
+from conftest import assert_one_line, one_line_error
 
 import jdp
 
@@ -124,3 +127,110 @@ def test_evaluate_still_reads_a_list_of_examples():
     examples = [{"x": np.float32(i)} for i in range(10)]
     got = jdp.evaluate(_sq, jdp.broadcast({"w": np.float32(2)}), examples, batch_size=8)
     assert got == {"sq": 2 * np.mean(np.arange(10)), "count": 10.0}
+
+
+# --- the environment a job is started with --------------------------------------------------
+
+def _roll_call(ranks, world, timeout=20):
+    """Each of `ranks` runs the roll call in a thread of its own: {index: outcome}."""
+    from conftest import free_port
+
+    from jdp.distributed import _rendezvous
+    port, out = free_port(), {}
+
+    def process(i, rank):
+        try:
+            conns, _ = _rendezvous.roll_call("127.0.0.1", port, rank, world, timeout)
+            for conn in conns.values():
+                conn.close()
+            out[i] = "joined"
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            out[i] = e
+
+    threads = [threading.Thread(target=process, args=(i, r), daemon=True)
+               for i, r in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return out, port
+
+
+def test_two_processes_with_one_rank_are_named_on_every_process_at_once():
+    start = time.monotonic()
+    out, _ = _roll_call([0, 1, 1], world=3, timeout=30)
+    assert time.monotonic() - start < 15          # not process 0's 30 s wait for rank 2
+    assert sorted(out) == [0, 1, 2]
+    for error in out.values():
+        assert isinstance(error, ValueError), out
+        assert_one_line(error, ["two processes were started with RANK=1", "its own RANK"])
+
+
+def test_a_rank_that_reported_and_was_restarted_reports_again():
+    from conftest import free_port
+
+    from jdp.distributed import _rendezvous
+    from jdp.job import net
+    port, out = free_port(), {}
+
+    def process(rank):
+        conns, _ = _rendezvous.roll_call("127.0.0.1", port, rank, 3, 20)
+        out[rank] = sorted(conns)
+        for conn in conns.values():
+            conn.close()
+
+    zero = threading.Thread(target=process, args=(0,), daemon=True)
+    zero.start()
+    gone = net.connect("127.0.0.1", port, 5.0)
+    net.send(gone, {"rank": 1, "world": 3})       # rank 1 reports, then dies
+    time.sleep(0.3)
+    gone.close()
+    others = [threading.Thread(target=process, args=(r,), daemon=True) for r in (1, 2)]
+    for t in others:
+        t.start()
+    for t in (zero, *others):
+        t.join(30)
+    assert out == {0: [1, 2], 1: [0], 2: [0]}
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"LOCAL_WORLD_SIZE": "4"}, ["LOCAL_WORLD_SIZE=4 is set but RANK and WORLD_SIZE are not",
+                                 "left over", "--nproc_per_node 4"]),
+    ({"LOCAL_WORLD_SIZE": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1",
+      "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, ["LOCAL_WORLD_SIZE=2 is set", "left over"]),
+    ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+      "MASTER_PORT": "1"}, ["LOCAL_WORLD_SIZE=4 is above WORLD_SIZE=2"]),
+])
+def test_a_leftover_or_inconsistent_local_world_size_is_named(env, words):
+    from jdp.distributed import _init
+    one_line_error(ValueError, words, _init._plan, None, None, None, None, None, env)
+
+
+def test_local_world_size_with_the_launchers_other_variables_is_taken():
+    from jdp.distributed import _init
+    env = {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    assert _init._plan(None, None, None, None, None, env)[:4] == ("127.0.0.1:1", 4, 3, [1])
+
+
+def test_a_second_process_0_is_named_on_both():
+    from conftest import free_port
+
+    from jdp.distributed import _rendezvous
+    port, done = free_port(), {}
+    first = threading.Thread(target=lambda: done.update(
+        zero=_outcome(_rendezvous.gather, "127.0.0.1", port, 2, 20)), daemon=True)
+    first.start()
+    time.sleep(0.5)                                    # the first process 0 listens
+    second = _outcome(_rendezvous.second_zero, "127.0.0.1", port, 2)
+    first.join(10)
+    for error in (second, done["zero"]):
+        assert isinstance(error, ValueError), (second, done)
+        assert_one_line(error, ["two processes were started with RANK=0"])
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the outcome under test
+        return e
