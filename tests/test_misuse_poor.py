@@ -234,3 +234,43 @@ def _outcome(fn, *args):
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - the outcome under test
         return e
+
+
+ALLOCATION = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
+              "SLURM_NODELIST": "n[1-2]"}
+
+
+@pytest.mark.parametrize("env", [
+    ALLOCATION,                                                     # salloc's shell
+    {**ALLOCATION, "SLURM_STEP_ID": str(2**32 - 5), "SLURM_PROCID": "0",
+     "SLURM_STEP_NODELIST": "n1"},                                  # sbatch's script (batch step)
+])
+def test_python_inside_a_slurm_allocation_without_srun_is_warned(env):
+    from jdp.distributed import _init
+    with pytest.warns(UserWarning) as caught:
+        assert _init._plan(None, None, None, None, None, env) is None
+    (warning,) = caught
+    assert_one_line(warning.message, ["SLURM job 42", "8 task(s) on 2 node(s)", "not started by "
+                                      "srun", "come from the allocation", "srun python"])
+
+
+@pytest.mark.parametrize("env", [
+    {**ALLOCATION, "SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1"},   # one task: alone is right
+    {**ALLOCATION, "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n1",
+     "SLURM_NTASKS": "1"},                                             # srun -n 1
+    {**ALLOCATION, "WORLD_SIZE": "1", "RANK": "0"},                    # jdp.launch in sbatch
+])
+def test_a_slurm_step_or_a_one_task_allocation_is_not_warned(env):
+    import warnings
+
+    from jdp.distributed import _init
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _init._plan(None, None, None, None, None, env) is None
+
+
+def test_an_srun_step_is_still_found_but_not_the_batch_step():
+    from jdp.distributed import _engines
+    step = {**ALLOCATION, "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1"}
+    assert _engines.slurm(step).cluster == "slurm"
+    assert _engines.slurm({**step, "SLURM_STEP_ID": str(2**32 - 5)}) is None

@@ -146,6 +146,8 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
     found = _engines.find(cluster_detection_method, env)
     given = (coordinator_address, num_processes, process_id)
     if found is None and given == (None, None, None):
+        if alone := _engines.slurm_allocation(env):
+            warnings.warn(alone, stacklevel=3)
         return None
     found = found or _engines.Found("arguments", None, None, None)
     coordinator_address, num_processes, process_id = (  # an argument wins over the engine
