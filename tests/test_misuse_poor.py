@@ -274,3 +274,37 @@ def test_an_srun_step_is_still_found_but_not_the_batch_step():
     step = {**ALLOCATION, "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1"}
     assert _engines.slurm(step).cluster == "slurm"
     assert _engines.slurm({**step, "SLURM_STEP_ID": str(2**32 - 5)}) is None
+
+
+def test_the_launchers_device_count_replaced_by_the_script_is_warned():
+    from jdp.distributed import _init
+    from jdp.launch import _supervisor
+    env = _supervisor.rank_env({"XLA_FLAGS": "--xla_cpu_use_thunk_runtime=true"}, rank=0,
+                               local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                               master_addr="127.0.0.1", master_port=1, devices_per_process=2)
+    assert _init._devices_flag_replaced(env) is None          # as the launcher set it
+    for flags, now in [("--xla_force_host_platform_device_count=4", "count=4"),
+                       ("--xla_dump_to=/tmp/x", "no --xla_force_host_platform_device_count")]:
+        warning = _init._devices_flag_replaced({**env, "XLA_FLAGS": flags})
+        assert_one_line(warning, ["--devices_per_process 2 is overridden", now,
+                                  "os.environ['XLA_FLAGS'] +="])
+    assert _init._devices_flag_replaced({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}) is None
+
+
+REPLACES_XLA_FLAGS = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+import jax, jdp
+jdp.initialize()
+print("devices", jax.local_device_count())
+"""
+
+
+def test_a_launched_script_that_replaces_xla_flags_is_warned(tmp_path):
+    from conftest import run_python, write_script
+    script = write_script(tmp_path, "flags.py", REPLACES_XLA_FLAGS)
+    done = run_python(["-m", "jdp.launch", "--nproc_per_node", "1", "--devices_per_process", "2",
+                       script], timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "devices 3" in done.stdout                           # what the warning says happened
+    assert "--devices_per_process 2 is overridden" in done.stderr, done.stderr[-2000:]
