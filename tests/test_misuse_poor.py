@@ -308,3 +308,58 @@ def test_a_launched_script_that_replaces_xla_flags_is_warned(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "devices 3" in done.stdout                           # what the warning says happened
     assert "--devices_per_process 2 is overridden" in done.stderr, done.stderr[-2000:]
+
+
+# --- --profile_steps / JDP_PROFILE_STEPS: a range that traced nothing, said ------------------
+
+OWN_STEP = """
+import jax, numpy as np, jdp
+jdp.initialize()
+loader = jdp.data.Loader({"x": np.ones((32, 4), np.float32)}, batch_size=8)
+own = jax.jit(lambda batch: (batch["x"] * 2).sum())
+for batch in loader:
+    own(batch).block_until_ready()
+"""
+
+
+def test_a_profile_range_over_an_own_step_is_said_at_the_end(tmp_path):
+    from conftest import job_env, run_python, write_script
+    script = write_script(tmp_path, "own.py", OWN_STEP)
+    logs = tmp_path / "logs"
+    done = run_python(["-m", "jdp.launch", "--logdir", str(logs), "--profile_steps", "2:3",
+                       script], env=job_env("profile-own"), timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert_one_line(line, ["jdp.launch: --profile_steps 2:3 produced no trace",
+                           str(logs / "profile"), "counted 4 training step(s)",
+                           "only jdp.train_step's steps are traced"])
+
+
+def test_a_profile_range_past_the_end_is_named(tmp_path, monkeypatch):
+    from jdp.launch import _profile_opts
+    monkeypatch.delenv("JDP_PROFILE_STEPS", raising=False)
+    monkeypatch.delenv("JDP_PROFILE_DIR", raising=False)
+    assert_one_line(_profile_opts.no_trace("50:60", str(tmp_path), 5),
+                    ["--profile_steps 50:60 produced no trace", "ran 5 training step(s)",
+                     "ended before step 50"])
+    assert _profile_opts.no_trace(None, str(tmp_path), 5) is None   # nothing asked
+    rank = tmp_path / "profile" / "rank.0" / "plugins" / "profile" / "t"
+    rank.mkdir(parents=True)
+    (rank / "host.xplane.pb").write_bytes(b"x")
+    assert _profile_opts.no_trace("50:60", str(tmp_path), 5) is None   # a trace was written
+
+
+def test_jdp_profile_steps_without_a_directory_is_named_by_the_launcher(tmp_path, monkeypatch):
+    from jdp.launch import _profile_opts
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("JDP_PROFILE_STEPS", "3:4")
+    monkeypatch.delenv("JDP_PROFILE_DIR", raising=False)
+    assert_one_line(_profile_opts.no_directory(None, None),
+                    ["JDP_PROFILE_STEPS='3:4' is set without JDP_PROFILE_DIR",
+                     f"{tmp_path / 'profile'}/rank.K", "--logdir DIR"])
+    assert_one_line(_profile_opts.no_trace(None, None, 0),
+                    ["JDP_PROFILE_STEPS=3:4 produced no trace", str(tmp_path / "profile")])
+    assert _profile_opts.no_directory(None, str(tmp_path)) is None   # LOGDIR/profile
+    monkeypatch.setenv("JDP_PROFILE_DIR", str(tmp_path / "mine"))
+    assert _profile_opts.no_directory(None, None) is None
+    assert str(tmp_path / "mine") in _profile_opts.no_trace(None, None, 0)

@@ -332,9 +332,13 @@ def launch(args: argparse.Namespace) -> int:
 
         rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
         ledger = _goodput.Ledger(WHO, args.logdir, args.node_rank)   # where the time went
+        _profile_opts.say(WHO, _profile_opts.no_directory(args.profile_steps, args.logdir))
         status = _rounds.run(job, args.max_restarts, rdzv, run_round, args.min_nodes,
                              args.rdzv_timeout, ledger)
         ledger.finish()
+        if status == 0:
+            _profile_opts.say(WHO, _profile_opts.no_trace(args.profile_steps, args.logdir,
+                                                          ledger.steps_run()))
         return status
 
 
