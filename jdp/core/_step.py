@@ -187,7 +187,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         cast_batch: with `compute_dtype`, cast the batch's floating leaves to it too (as
             PyTorch FSDP2's `cast_forward_inputs`), so a layer that promotes its inputs (flax's
             `nn.Dense` with bf16 parameters and a float32 batch) computes in `compute_dtype`;
-            False passes the batch as it is.
+            False passes the batch as it is. Float labels are cast too (bf16 rounds class ids
+            above 256): keep labels integer, which are never cast.
 
     Returns:
         `step(state, batch) -> (state, metrics)`, metrics with "loss" (and the aux metrics),
