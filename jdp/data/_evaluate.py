@@ -15,8 +15,8 @@ import numpy as np
 
 from jdp.core import eval_step
 from jdp.data import _sources
-from jdp.data._sampler import _require_int
 from jdp.data._loader import Loader
+from jdp.data._sampler import _require_int
 from jdp.distributed import agree
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # metric_fn -> its eval step

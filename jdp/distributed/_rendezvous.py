@@ -7,8 +7,9 @@ format (`jdp.job.net`: {"rank": k}, answered by {"go": true} once all have repor
 process 0 raises TimeoutError naming the processes that did not. Each report carries the
 process count that process was started with: a different one is refused on both sides, naming
 the process and both counts; so is a second report of a rank whose first reporter is still
-connected (two processes started with the same RANK). The port is then handed to JAX's coordinator (whose clients retry
-until it listens); the roll call's connections stay open, for `_peers` to notice a lost process.
+connected (two processes started with the same RANK). The port is then handed to JAX's
+coordinator (whose clients retry until it listens); the roll call's connections stay open, for
+`_peers` to notice a lost process.
 
 Cost: one connection and two small messages per process; process 0 holds the N - 1
 connections for the whole job (it raises its open-file limit to fit): N file descriptors
