@@ -214,6 +214,26 @@ def wait_for_address(host: str, timeout_s: float) -> str:
         time.sleep(1.0)
 
 
+def check_local_world(env: Mapping[str, str], num_processes: int | None,
+                      process_id: int | None) -> None:
+    """LOCAL_WORLD_SIZE (the processes on this node: shard_params="node", a GPU per process)
+    comes with RANK and WORLD_SIZE from every launcher: alone it is left over from another
+    job, and above the process count it cannot be right; either would size nodes wrongly."""
+    if _env.LOCAL_WORLD_SIZE not in env:
+        return
+    local = integer(env, _env.LOCAL_WORLD_SIZE, "the processes on this node")
+    if num_processes is None and _env.WORLD_SIZE in env:
+        num_processes = integer(env, _env.WORLD_SIZE, "the number of processes")
+    if num_processes is None and process_id is None and _env.RANK not in env:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} is set but RANK and WORLD_SIZE are not: "
+                         "it is left over from another job (unset it), or start the job with "
+                         f"`python -m jdp.launch --nproc_per_node {local} script.py`")
+    if num_processes is not None and local > num_processes:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} is above WORLD_SIZE={num_processes}: a node "
+                         "cannot hold more processes than the job; set LOCAL_WORLD_SIZE to the "
+                         "processes on this node (or unset it)")
+
+
 # The order in which engines are asked. JAX's variables and Kubernetes before torchrun's
 # (their manifests may set WORLD_SIZE alone), but both step aside where RANK is set (torchrun
 # inside a pod, or a manifest that maps RANK by hand).

@@ -160,7 +160,7 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
           cluster_detection_method, env: Mapping[str, str]) -> _Plan | None:
     """Merge arguments and the engine found in the environment (`_engines`) into one plan;
     None when there is nothing to join."""
-    _check_local_world(env, num_processes, process_id)
+    _engines.check_local_world(env, num_processes, process_id)
     found = _engines.find(cluster_detection_method, env)
     given = (coordinator_address, num_processes, process_id)
     if found is None and given == (None, None, None):
@@ -193,26 +193,6 @@ def _plan(coordinator_address, num_processes, process_id, local_device_ids,
         _net.split_host_port(coordinator_address)
     return _Plan(coordinator_address, num_processes, process_id,
                  _local_devices(local_device_ids, env), None, found.engine, found.late_dns)
-
-
-def _check_local_world(env: Mapping[str, str], num_processes: int | None,
-                       process_id: int | None) -> None:
-    """LOCAL_WORLD_SIZE (the processes on this node: shard_params="node", a GPU per process)
-    comes with RANK and WORLD_SIZE from every launcher: alone it is left over from another
-    job, and above the process count it cannot be right; either would size nodes wrongly."""
-    if _env.LOCAL_WORLD_SIZE not in env:
-        return
-    local = _env_int(env, _env.LOCAL_WORLD_SIZE, "the processes on this node")
-    if num_processes is None and _env.WORLD_SIZE in env:
-        num_processes = _env_int(env, _env.WORLD_SIZE, "the number of processes")
-    if num_processes is None and process_id is None and _env.RANK not in env:
-        raise ValueError(f"LOCAL_WORLD_SIZE={local} is set but RANK and WORLD_SIZE are not: "
-                         "it is left over from another job (unset it), or start the job with "
-                         f"`python -m jdp.launch --nproc_per_node {local} script.py`")
-    if num_processes is not None and local > num_processes:
-        raise ValueError(f"LOCAL_WORLD_SIZE={local} is above WORLD_SIZE={num_processes}: a node "
-                         "cannot hold more processes than the job; set LOCAL_WORLD_SIZE to the "
-                         "processes on this node (or unset it)")
 
 
 def _local_devices(local_device_ids, env: Mapping[str, str]) -> list[int] | None:
