@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdp.core import _mesh, _zero, forms
 
@@ -158,17 +159,20 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
         return
     trainable(getattr(state, "params", None))
     fsdp = any(_zero.is_sharded(x) for _, x in leaves)
+    have = _zero.params_group(getattr(state, "params", None)) if fsdp else None
     if fsdp and shard_params:
-        _same_groups(shard_params, _zero.params_group(getattr(state, "params", None)))
+        _same_groups(shard_params, have)
     if bool(shard_params) != fsdp:
-        raise ValueError("shard_params=True: the parameters are not sharded; place the state "
-                         "with jdp.broadcast(state, shard_params=True)" if shard_params else
-                         "the parameters are sharded (jdp.broadcast(state, shard_params=True)):"
-                         " pass shard_params=True to the step too")
+        raise ValueError(f"shard_params={shard_params!r}: the parameters are not sharded; place "
+                         f"the state with jdp.broadcast(state, shard_params={shard_params!r})"
+                         if shard_params else "the parameters are sharded (jdp.broadcast(state, "
+                         f"shard_params={have or True!r})): pass shard_params={have or True!r} "
+                         "to the step too")
     zero = [_row_sharded(x) for x in opt_leaves if _zero.opt_axis(x, False) is not None]
     if (shard_optimizer or shard_params) and not all(zero):
-        raise ValueError("shard_optimizer=True: the optimizer state is not sharded; place the "
-                         "state with jdp.broadcast(state, shard_optimizer=True)")
+        option = f"shard_params={shard_params!r}" if shard_params else "shard_optimizer=True"
+        raise ValueError(f"{option}: the optimizer state is not sharded; place the state with "
+                         f"jdp.broadcast(state, {option})")
     if not (shard_optimizer or shard_params) and any(zero):
         raise ValueError("the optimizer state is sharded (jdp.broadcast(state, "
                          "shard_optimizer=True)): pass shard_optimizer=True to the step too")
@@ -193,19 +197,27 @@ def _same_groups(shard_params: Any, have: int | None) -> None:
     want = _zero.group_size(shard_params)
     if want != have:
         placed = f"groups of {have} devices" if have else "all devices"
-        raise ValueError(f"shard_params={shard_params!r}: the parameters are split over "
-                         f"{placed}; pass the same shard_params to jdp.broadcast and "
-                         "jdp.train_step")
+        raise ValueError(f"shard_params={shard_params!r}: the state's parameters are split over "
+                         f"{placed} (jdp.broadcast(state, shard_params={have or True!r})), not "
+                         f"{f'groups of {want}' if want else 'all devices'}; pass the same "
+                         "shard_params to jdp.broadcast and jdp.train_step")
 
 
-def shard_params_option(value: Any) -> None:
+def shard_params_option(value: Any) -> Any:
     """`shard_params` is True/False, "node", or an int >= 2 (the group size, HSDP; groups of
-    one device would be replication: False)."""
-    ok = isinstance(value, bool) or value == "node" or (isinstance(value, int) and value > 1)
-    if not ok:
+    one device would be replication: False); a numpy scalar counts as its Python value.
+    Returns the value as the step uses it."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if not isinstance(value, (bool, int, str)):
+        raise TypeError(f"shard_params={value!r} is a {type(value).__name__}: expected True or "
+                        "False, \"node\", or an int >= 2 that divides the device count (HSDP: "
+                        "groups of that many consecutive devices)")
+    if not (isinstance(value, bool) or value == "node" or (isinstance(value, int) and value > 1)):
         raise ValueError(f"shard_params={value!r}: expected True or False, \"node\", or an "
                          "int >= 2 that divides the device count (HSDP: groups of that many "
                          "consecutive devices)")
+    return value
 
 
 def _on_mesh(x: jax.Array) -> bool:

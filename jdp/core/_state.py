@@ -100,8 +100,8 @@ def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
         return placed
     missing = [f for f in ("opt_state", "params") if not hasattr(host, f)]
     if missing:
-        option = "shard_params" if shard_params else "shard_optimizer"
-        raise TypeError(f"jdp.broadcast({option}=True): {type(host).__name__} has no "
+        option = f"shard_params={shard_params!r}" if shard_params else "shard_optimizer=True"
+        raise TypeError(f"jdp.broadcast({option}): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
     group = _zero.group_size(shard_params) if shard_params else None
     placed = placed.replace(opt_state=jax.tree.map(

@@ -194,7 +194,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         cast_batch: with `compute_dtype`, cast the batch's floating leaves to it too (as
             PyTorch FSDP2's `cast_forward_inputs`), so a layer that promotes its inputs (flax's
             `nn.Dense` with bf16 parameters and a float32 batch) computes in `compute_dtype`;
-            False passes the batch as it is.
+            False passes the batch as it is. Float labels are cast too (bf16 rounds class ids
+            above 256): keep labels integer, which are never cast.
 
     Returns:
         `step(state, batch) -> (state, metrics)`, metrics with "loss" (and the aux metrics),
@@ -216,7 +217,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     _checks.dtype_option("compute_dtype", compute_dtype)
     _checks.bool_options(has_aux=has_aux, donate=donate, shard_optimizer=shard_optimizer,
                          cast_batch=cast_batch)
-    _checks.shard_params_option(shard_params)
+    shard_params = _checks.shard_params_option(shard_params)
     _checks.fsdp_comm_dtype(shard_params, comm_dtype, compute_dtype)
     body = functools.partial(
         _global_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,

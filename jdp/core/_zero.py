@@ -140,8 +140,8 @@ def group_size(shard_params: Any) -> int | None:
     them (True), `k` for groups of k consecutive devices, a node's devices for "node"
     (this process's devices x the processes per node); refused otherwise."""
     n = _mesh.mesh().size
-    k = shard_params
-    if shard_params == "node":
+    k = shard_params.item() if isinstance(shard_params, np.generic) else shard_params
+    if k == "node":
         k = devices_per_node()
     if k is True:
         return None

@@ -7,14 +7,16 @@ again and none gets the padding or the cross-process sum wrong.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 from jdp.core import eval_step
+from jdp.data import _sources
 from jdp.data._loader import Loader
+from jdp.data._sampler import _require_int
 from jdp.distributed import agree
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # metric_fn -> its eval step
@@ -45,7 +47,10 @@ def evaluate(metric_fn: Callable, state: Any, data: Any, *, batch_size: int | No
 
     Raises:
         ValueError: the Loader is mid-epoch or drops examples (`drop_last`), so the pass would
-            not cover the split exactly once; `batch_size` given with a Loader.
+            not cover the split exactly once; `batch_size` given with a Loader, or below 1;
+            an empty split.
+        TypeError: `data` is a list of batches (from a Loader or `jdp.shard`) or an iterator,
+            not a split or a Loader.
 
     Example:
         >>> import jdp, numpy as np
@@ -75,9 +80,7 @@ def evaluate(metric_fn: Callable, state: Any, data: Any, *, batch_size: int | No
 def _whole_pass(data: Any, batch_size: int | None) -> Loader:
     """`data` as a Loader that is about to hand out a whole epoch, every example once."""
     if not isinstance(data, Loader):
-        n = jax.local_device_count()
-        size = batch_size or -(-128 // n) * n
-        return Loader(data, batch_size=size, prefetch=2)
+        return _source_loader(data, batch_size)
     if batch_size is not None:
         raise ValueError(f"jdp.evaluate: batch_size={batch_size} was given with a Loader, which "
                          f"has its own (batch_size={data.batch_size}); drop batch_size=")
@@ -90,3 +93,37 @@ def _whole_pass(data: Any, batch_size: int | None) -> Loader:
                          f"{data.epoch}, so one pass would miss its first {data.step} batches; "
                          "pass a Loader at the start of an epoch (a separate one for evaluation)")
     return data
+
+
+def _source_loader(data: Any, batch_size: int | None) -> Loader:
+    """A Loader reading the source `data` in order; one line for what is no source: a list
+    or iterator of batches, an empty split, a batch_size below 1."""
+    n = jax.local_device_count()
+    size = -(-128 // n) * n if batch_size is None else _require_int(
+        "jdp.evaluate", "batch_size", batch_size, 1,
+        f"pass the examples per process and batch (a multiple of the {n} local devices)")
+    if _is_batches(data):
+        raise TypeError(f"jdp.evaluate: data is a {type(data).__name__} of batches; pass the "
+                        "split itself (a dict of arrays or a source, read with batch_size=), or "
+                        "a jdp.data.Loader at the start of an epoch, not its batches")
+    try:
+        count = _sources.make_reader(data)[0]
+    except TypeError:
+        raise TypeError(f"jdp.evaluate: data of type {type(data).__name__} is neither a "
+                        "jdp.data.Loader nor a source of examples; pass a Loader at the start "
+                        "of an epoch, a dict of arrays, or an object with __len__ and "
+                        "__getitem__ (e.g. tfds.data_source(...))") from None
+    if count == 0:
+        raise ValueError("jdp.evaluate: the split is empty (0 examples), so there is no mean to "
+                         "take; pass the split's examples")
+    return Loader(data, batch_size=size, prefetch=2)
+
+
+def _is_batches(data: Any) -> bool:
+    """An iterator, or a list/tuple whose items are batches: a `mask` field (the Loader's) or
+    global jax.Arrays (`jdp.shard`), never an example of a source."""
+    if isinstance(data, Iterator):
+        return True
+    if not isinstance(data, (list, tuple)) or not data or not isinstance(data[0], Mapping):
+        return False
+    return "mask" in data[0] or any(isinstance(x, jax.Array) for x in jax.tree.leaves(data[0]))

@@ -107,11 +107,35 @@ def _subdomain(hostname: str) -> str | None:
 
 def slurm(env: Mapping[str, str]) -> Found | None:
     """srun with more than one task: JAX's SLURM detection reads the rest."""
-    if not all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")):
+    if not _srun_step(env):
         return None
     if integer(env, "SLURM_NTASKS", "the number of SLURM tasks") <= 1:
         return None
     return Found("srun", None, None, None, cluster="slurm")
+
+
+def _srun_step(env: Mapping[str, str]) -> bool:
+    """A task of a job step that srun started: its step's variables, and a step id that is
+    not one of SLURM's own (the batch script's, the extern and interactive steps': >= 2^32-256)."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+    return (all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID"))
+            and not (step.isdigit() and int(step) >= 2**32 - 256))
+
+
+def slurm_allocation(env: Mapping[str, str]) -> str | None:
+    """The warning for a process started without srun inside a SLURM allocation of several
+    tasks (`python train.py` in salloc's shell or an sbatch script), which would train alone
+    as process 0 of 1; None elsewhere."""
+    if "SLURM_JOB_ID" not in env or _srun_step(env):
+        return None
+    tasks = env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))
+    nodes = env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1"))
+    if not (tasks.isdigit() and int(tasks) > 1 or nodes.isdigit() and int(nodes) > 1):
+        return None
+    return (f"jdp: SLURM job {env['SLURM_JOB_ID']} was allocated {tasks} task(s) on {nodes} "
+            "node(s), but this process was not started by srun (no job step): these variables "
+            "come from the allocation, not from srun, so it trains alone as process 0 of 1; run "
+            "`srun python ...` to start one process per task")
 
 
 def open_mpi(env: Mapping[str, str]) -> Found | None:
@@ -188,6 +212,26 @@ def wait_for_address(host: str, timeout_s: float) -> str:
             print(f"jdp: waiting for {host} (process 0) to resolve", file=sys.stderr, flush=True)
             said = True
         time.sleep(1.0)
+
+
+def check_local_world(env: Mapping[str, str], num_processes: int | None,
+                      process_id: int | None) -> None:
+    """LOCAL_WORLD_SIZE (the processes on this node: shard_params="node", a GPU per process)
+    comes with RANK and WORLD_SIZE from every launcher: alone it is left over from another
+    job, and above the process count it cannot be right; either would size nodes wrongly."""
+    if _env.LOCAL_WORLD_SIZE not in env:
+        return
+    local = integer(env, _env.LOCAL_WORLD_SIZE, "the processes on this node")
+    if num_processes is None and _env.WORLD_SIZE in env:
+        num_processes = integer(env, _env.WORLD_SIZE, "the number of processes")
+    if num_processes is None and process_id is None and _env.RANK not in env:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} is set but RANK and WORLD_SIZE are not: "
+                         "it is left over from another job (unset it), or start the job with "
+                         f"`python -m jdp.launch --nproc_per_node {local} script.py`")
+    if num_processes is not None and local > num_processes:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} is above WORLD_SIZE={num_processes}: a node "
+                         "cannot hold more processes than the job; set LOCAL_WORLD_SIZE to the "
+                         "processes on this node (or unset it)")
 
 
 # The order in which engines are asked. JAX's variables and Kubernetes before torchrun's

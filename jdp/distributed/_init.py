@@ -123,6 +123,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """
     env = os.environ
     _env.check_settings(env)  # a bad JDP_* value is an error here, even on one process
+    if replaced := _devices_flag_replaced(env):
+        warnings.warn(replaced, stacklevel=2)
     _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp.job.malloc
     timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
                 zip(_TIMEOUT_ENV, (initialization_timeout, heartbeat_timeout, shutdown_timeout),
@@ -139,13 +141,32 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     _start_watchdog(env)
 
 
+def _devices_flag_replaced(env: Mapping[str, str]) -> str | None:
+    """A warning when the launcher's `--devices_per_process k` is no longer in XLA_FLAGS (the
+    script set XLA_FLAGS itself, before JAX read it): this process would get another count of
+    CPU devices than the launcher gave its peers. None when it is still there, or not asked."""
+    asked = env.get(_env.DEVICES_PER_PROCESS)
+    flags = env.get("XLA_FLAGS", "")
+    given = [f.partition("=")[2] for f in flags.split()
+             if f.partition("=")[0] == _env.HOST_DEVICES_FLAG]
+    if not asked or given[-1:] == [asked]:
+        return None
+    now = f"{_env.HOST_DEVICES_FLAG}={given[-1]}" if given else f"no {_env.HOST_DEVICES_FLAG}"
+    return (f"jdp: the launcher's --devices_per_process {asked} is overridden: XLA_FLAGS="
+            f"{flags!r} ({now}), set by the script itself; add to XLA_FLAGS instead of replacing "
+            "it (os.environ['XLA_FLAGS'] += ' --flag'), or drop --devices_per_process")
+
+
 def _plan(coordinator_address, num_processes, process_id, local_device_ids,
           cluster_detection_method, env: Mapping[str, str]) -> _Plan | None:
     """Merge arguments and the engine found in the environment (`_engines`) into one plan;
     None when there is nothing to join."""
+    _engines.check_local_world(env, num_processes, process_id)
     found = _engines.find(cluster_detection_method, env)
     given = (coordinator_address, num_processes, process_id)
     if found is None and given == (None, None, None):
+        if alone := _engines.slurm_allocation(env):
+            warnings.warn(alone, stacklevel=3)
         return None
     found = found or _engines.Found("arguments", None, None, None)
     coordinator_address, num_processes, process_id = (  # an argument wins over the engine
@@ -254,6 +275,7 @@ def _meet(plan: _Plan, timeout: int) -> tuple[_Plan, str | None, int]:
                          "the IP address or host name of the machine that runs process 0")
     if plan.process_id == 0:
         if problem := _net.port_problem(host, port):
+            _rendezvous.second_zero(host, port, plan.num_processes)   # RANK=0 twice?
             raise ValueError(problem)
         bind = plan.coordinator  # this interface only, not every interface of the host
     left = max(1.0, timeout - (time.monotonic() - start))

@@ -6,8 +6,10 @@ on the coordinator port itself, before JAX's coordinator listens there, in jdp's
 format (`jdp.job.net`: {"rank": k}, answered by {"go": true} once all have reported);
 process 0 raises TimeoutError naming the processes that did not. Each report carries the
 process count that process was started with: a different one is refused on both sides, naming
-the process and both counts. The port is then handed to JAX's coordinator (whose clients retry
-until it listens); the roll call's connections stay open, for `_peers` to notice a lost process.
+the process and both counts; so is a second report of a rank whose first reporter is still
+connected (two processes started with the same RANK). The port is then handed to JAX's
+coordinator (whose clients retry until it listens); the roll call's connections stay open, for
+`_peers` to notice a lost process.
 
 Cost: one connection and two small messages per process; process 0 holds the N - 1
 connections for the whole job (it raises its open-file limit to fit): N file descriptors
@@ -16,6 +18,7 @@ there, one on every other process, and no traffic after the roll call but a good
 from __future__ import annotations
 
 import functools
+import socket
 import time
 
 from jdp.job import net as _net
@@ -56,7 +59,8 @@ def _room_for(connections: int) -> None:
 def gather(host: str, port: int, world: int, timeout_s: float) -> dict:
     """Process 0: wait until processes 1..world-1 have reported, then let them all go and
     return their connections {rank: socket}; TimeoutError naming the processes that did not
-    report within `timeout_s`, ValueError (on both sides) for one started with another count."""
+    report within `timeout_s`, ValueError (on every side) for one started with another count,
+    or for two processes that report the same rank."""
     joined: dict = {}
     kept = False
     deadline = time.monotonic() + timeout_s
@@ -64,7 +68,7 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> dict:
     waiting = functools.partial(_gather_message, host, port, world, joined, timeout_s)
     with _waiting.announced(waiting), _net.listen(host, port, world + 8) as server:
         try:
-            while len(joined) < world - 1:
+            while len(joined) < world - 1 or _closed_dropped(joined):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(_missing_message(host, port, world, joined, timeout_s))
@@ -77,9 +81,13 @@ def gather(host: str, port: int, world: int, timeout_s: float) -> dict:
                 rank = hello.get("rank")
                 if hello.get("world", world) != world:
                     _refuse(conn, joined, _mismatch(rank, hello["world"], world))
+                if rank == 0:   # a second process 0 found the port taken (`second_zero`)
+                    _refuse(conn, joined, _duplicate(0, world))
                 if not isinstance(rank, int) or not 0 < rank < world:
                     conn.close()
                     continue
+                if rank in joined and _open(joined[rank]):
+                    _refuse(conn, joined, _duplicate(rank, world))
                 if rank in joined:
                     joined[rank].close()   # a restarted process reports again
                 joined[rank] = conn
@@ -102,6 +110,16 @@ def report(host: str, port: int, rank: int, world: int, timeout_s: float):
             f"to report there): {_waiting.seconds(waited)} of at most {round(timeout_s)} s "
             "(JDP_INIT_TIMEOUT)")):
         return _report(host, port, rank, world, timeout_s)
+
+
+def second_zero(host: str, port: int, world: int) -> None:
+    """A process 0 that finds the coordinator port taken asks the taker whether it is this
+    job's process 0: if so, both raise ValueError naming RANK=0 twice; else nothing (the port
+    is simply busy)."""
+    try:
+        _report(host, port, 0, world, _HELLO_S).close()
+    except TimeoutError:
+        pass
 
 
 def _report(host: str, port: int, rank: int, world: int, timeout_s: float):
@@ -128,6 +146,36 @@ def _mismatch(rank, theirs, world: int) -> str:
     return (f"process {rank} was started for a job of {theirs} processes but process 0 for "
             f"{world} (WORLD_SIZE / the process count differs); start every process with the "
             "same number of processes")
+
+
+def _duplicate(rank: int, world: int) -> str:
+    return (f"two processes were started with RANK={rank}: process 0 heard from both, while "
+            f"the job's {world} processes need RANK 0..{world - 1}, each once; give each "
+            "process its own RANK")
+
+
+def _open(conn) -> bool:
+    """Is the process at the other end of `conn` still there? A process that reported and
+    was restarted closed its connection (end of stream); a second one with its RANK did not."""
+    timeout = conn.gettimeout()
+    conn.setblocking(False)
+    try:
+        return conn.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        conn.settimeout(timeout)
+
+
+def _closed_dropped(joined: dict) -> bool:
+    """Drop the processes that reported and then ended (a restart reports again): True when
+    there were any, so that the "go" waits for their successors."""
+    closed = [rank for rank, conn in joined.items() if not _open(conn)]
+    for rank in closed:
+        joined.pop(rank).close()
+    return bool(closed)
 
 
 def _refuse(conn, joined: dict, message: str):

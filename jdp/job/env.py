@@ -35,7 +35,10 @@ COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 
 # Between a supervisor and its ranks (internal).
 PROGRESS_FILE = "JDP_PROGRESS_FILE"       # the rank's progress slot (_progress.py)
-INTERNAL_VARS = (SUPERVISOR_PID, ERROR_FILE, SPAWN_BOOTSTRAP, PROGRESS_FILE, STACK_FILE)
+DEVICES_PER_PROCESS = "JDP_DEVICES_PER_PROCESS"   # --devices_per_process, to check XLA_FLAGS
+INTERNAL_VARS = (SUPERVISOR_PID, ERROR_FILE, SPAWN_BOOTSTRAP, PROGRESS_FILE, STACK_FILE,
+                 DEVICES_PER_PROCESS)
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"   # XLA's simulated CPU devices
 
 
 # --- the user's settings, parsed at start (a bad one is a one-line error, never ignored) ---

@@ -45,6 +45,7 @@ environment of each process:
   JDP_RESTART_COUNT  the round: 0 on the first, then 1, 2, ... for every round after
   PYTHONUNBUFFERED   1, so output arrives line by line
   XLA_FLAGS          with --devices_per_process k: --xla_force_host_platform_device_count=k
+                     (and JDP_DEVICES_PER_PROCESS=k: a script that replaces XLA_FLAGS is warned)
   JAX_COMPILATION_CACHE_DIR  shared by all processes, so a restart loads its compiled steps:
                      DIR/compilation_cache with --logdir DIR, else a temporary directory
                      removed at exit; set it yourself to keep one, or --compilation_cache off
@@ -332,9 +333,13 @@ def launch(args: argparse.Namespace) -> int:
 
         rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
         ledger = _goodput.Ledger(WHO, args.logdir, args.node_rank)   # where the time went
+        _profile_opts.say(WHO, _profile_opts.no_directory(args.profile_steps, args.logdir))
         status = _rounds.run(job, args.max_restarts, rdzv, run_round, args.min_nodes,
                              args.rdzv_timeout, ledger)
         ledger.finish()
+        if status == 0:
+            _profile_opts.say(WHO, _profile_opts.no_trace(args.profile_steps, args.logdir,
+                                                          ledger.steps_run()))
         return status
 
 

@@ -321,6 +321,10 @@ class Ledger:
             text += "; " + _profile_opts.describe(s["profiles"])
         return text
 
+    def steps_run(self) -> int:
+        """The most training steps a rank ran in the last round (0: none recorded)."""
+        return max((d.get("steps_run", 0) for d in self.detail.values()), default=0)
+
     def say(self) -> None:
         if self.per_rank:
             print(self.line(), file=sys.stderr, flush=True)

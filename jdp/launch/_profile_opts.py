@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import sys
 
 HELP = ("write a jax.profiler trace of training steps A..B (from 1) of every rank\n"
         "to DIR/profile/rank.K (needs --logdir DIR; env JDP_PROFILE_STEPS); see\n"
@@ -61,11 +62,54 @@ def rank_env(steps: str | None, logdir: str | None) -> dict:
 def trace_files(logdir: str | None) -> list[str]:
     """The trace files the ranks wrote under LOGDIR/profile (TensorBoard's .xplane.pb and
     Perfetto's .json.gz), sorted."""
-    if not logdir:
-        return []
-    root = os.path.join(logdir, "profile")
+    return _files(os.path.join(logdir, "profile")) if logdir else []
+
+
+def _files(root: str) -> list[str]:
     found = glob.glob(os.path.join(root, "rank.*", "plugins", "profile", "*", "*"))
     return sorted(f for f in found if f.endswith((".xplane.pb", "perfetto_trace.json.gz")))
+
+
+def trace_dir(steps: str | None, logdir: str | None) -> str | None:
+    """Where the ranks write their traces (rank.K below it): LOGDIR/profile, else
+    JDP_PROFILE_DIR, else ./profile in their working directory; None when nothing is asked."""
+    n = _names()
+    if steps is None and not os.environ.get(n.STEPS):
+        return None
+    return (rank_env(steps, logdir).get(n.DIR) or os.environ.get(n.DIR)
+            or os.path.abspath(n.DEFAULT_DIR))
+
+
+def no_directory(steps: str | None, logdir: str | None) -> str | None:
+    """The launcher's note when JDP_PROFILE_STEPS comes from the environment with neither
+    JDP_PROFILE_DIR nor a log directory: where the traces will go, and how to choose."""
+    n = _names()
+    if steps is not None or logdir is not None or not os.environ.get(n.STEPS) or (
+            os.environ.get(n.DIR)):
+        return None
+    return (f"{n.STEPS}={os.environ[n.STEPS]!r} is set without {n.DIR} or a log directory: "
+            f"each rank writes its trace to {trace_dir(None, None)}/rank.K (./{n.DEFAULT_DIR} "
+            f"in its working directory); set {n.DIR}=DIR or pass --logdir DIR to choose")
+
+
+def no_trace(steps: str | None, logdir: str | None, steps_run: int,
+             option: str = "--profile_steps ") -> str | None:
+    """At the end of a run: why the step range asked for produced no trace file (the run
+    ended before step A, or its steps were not jdp.train_step's); None when it did."""
+    n = _names()
+    root = trace_dir(steps, logdir)
+    if root is None or _files(root):
+        return None
+    text, source = (steps, option) if steps is not None else (os.environ[n.STEPS], n.STEPS + "=")
+    first, _ = n.parse_steps(text, source)
+    if 0 < steps_run < first:
+        why = (f"the ranks ran {steps_run} training step(s), so the run ended before step "
+               f"{first}; choose steps the run reaches")
+    else:
+        why = (f"the ranks counted {steps_run} training step(s) but traced none: only "
+               "jdp.train_step's steps are traced, not a jitted step of your own (wrap those in "
+               "jax.profiler.trace(DIR) yourself)")
+    return f"{source}{text} produced no trace in {root}: {why}"
 
 
 def describe(files: list[str]) -> str:
@@ -74,3 +118,9 @@ def describe(files: list[str]) -> str:
     ranks = {f.split(os.sep + "plugins" + os.sep)[0] for f in files}
     return (f"profiles of {len(ranks)} ranks in {root} (tensorboard --logdir {root}, or each "
             f"rank's perfetto_trace.json.gz in ui.perfetto.dev)")
+
+
+def say(who: str, note: str | None) -> None:
+    """Print a note of the launcher's (`no_directory`, `no_trace`) on stderr, if any."""
+    if note:
+        print(f"{who}: {note}", file=sys.stderr, flush=True)

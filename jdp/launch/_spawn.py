@@ -117,9 +117,12 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
                                                            devices_per_process), **profile_env})
                  for r in range(nprocs)]
         ledger = _goodput.Ledger(WHO, logdir, from_process_start=False)
+        _profile_opts.say(WHO, _profile_opts.no_directory(profile_steps, logdir))
         outcome = _supervisor.run(specs, _supervisor.Output(), limits, ledger=ledger)
         ledger.finish()
         _raise_for(outcome, tmp, nprocs, limits)
+        _profile_opts.say(WHO, _profile_opts.no_trace(profile_steps, logdir, ledger.steps_run(),
+                                                      "profile_steps="))
 
 
 def _rank_env(rank: int, nprocs: int, port: int, tmp: str, devices_per_process: int | None) -> dict:

@@ -37,7 +37,7 @@ GRACE_S = 3.0        # SIGTERM -> SIGKILL after a failure; keeps "all gone" well
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL after a stop request: time to save a checkpoint
 POLL_S = 0.05        # how often the loop looks at signals and deadlines
 TAIL_LINES = 20      # lines of the failed rank's stderr in the summary
-_HOST_DEVICES = "--xla_force_host_platform_device_count"
+_HOST_DEVICES = _env.HOST_DEVICES_FLAG
 # Lines kept out of the console (they stay in the per-rank log files): gloo's connection
 # chatter, one line per gloo context; a process with several devices writes them from several
 # threads at once, so fragments of two lines can share one line, or start one.
@@ -93,6 +93,7 @@ def rank_env(base: Mapping[str, str], *, rank: int, local_rank: int, world_size:
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES)]
         env["XLA_FLAGS"] = " ".join([*flags, f"{_HOST_DEVICES}={devices_per_process}"])
+        env[_env.DEVICES_PER_PROCESS] = str(devices_per_process)   # initialize checks XLA_FLAGS
     return _malloc.child_env(env)
 
 
