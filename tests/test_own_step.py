@@ -235,3 +235,18 @@ def test_own_step_on_two_processes_finishes_400_steps_whatever_batches_it_keeps(
     for r in (0, 1):
         np.testing.assert_allclose(np.load(tmp_path / f"w_{r}.npy"), expected["w"], rtol=1e-4,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["shard_optimizer", "shard_params"])
+def test_own_step_on_a_sharded_state_is_one_line_naming_train_step(placement):
+    """ZeRO's padded optimizer state and FSDP's parameters cannot go through your own step:
+    one line naming jdp.train_step, not a shape error inside optax or the model."""
+    state = jdp.broadcast(jdp.TrainState.create(
+        apply_fn=None, params={"w": np.zeros((3, 1), np.float32)}, tx=optax.adam(0.05)),
+        **{placement: True})
+    batch = jdp.shard(regression(16))
+    with pytest.raises((ValueError, TypeError)) as info:
+        own_step(state, batch)
+    message = str(info.value)
+    assert "\n" not in message and "jdp.train_step" in message, message
+    assert f"{placement}=True" in message and "jdp.unshard" in message, message

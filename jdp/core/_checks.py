@@ -88,6 +88,22 @@ def same_model_state(new_ms: Any, field: str) -> None:
                                        "collective over jdp.AXIS, so it may vary by device")
 
 
+def own_step_opt_state(state: Any) -> None:
+    """Refuse `state.apply_gradients` in the user's own step when the optimizer state is in
+    ZeRO's stored form (padded to the device count: its shapes are not the ones `tx.init`
+    gives); checked on shapes only, so once per trace inside `jax.jit`."""
+    if any(_zero.is_sharded(p) for p in jax.tree.leaves(state.params, is_leaf=_zero.is_sharded)):
+        return   # FSDP: its parameters name what to do when the step uses them
+    want = [x.shape for x in jax.tree.leaves(jax.eval_shape(state.tx.init, state.params))]
+    have = [jnp.shape(x) for x in jax.tree.leaves(state.opt_state)]
+    if len(want) == len(have) and want != have:
+        raise ValueError(
+            "apply_gradients: the optimizer state is stored split and padded over the devices "
+            "(jdp.broadcast(state, shard_optimizer=True)), so optax cannot update it in your "
+            "own step; train with jdp.train_step(loss_fn, shard_optimizer=True), or take "
+            "jdp.unshard(state) first")
+
+
 def trainable(params: Any) -> None:
     """The parameters the gradient is taken of: at least one leaf, every leaf floating."""
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_zero.is_sharded)[0]

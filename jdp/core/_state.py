@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _inflight, _mesh, _zero, forms, layouts, prng_keys
+from jdp.core import _checks, _inflight, _mesh, _zero, forms, layouts, prng_keys
 from jdp.distributed import agree_once, broadcast_for, require_job
 
 
@@ -45,6 +45,13 @@ class TrainState(train_state.TrainState):
             kwargs["rng"] = jax.random.key_data(jax.random.key(seed))
         return super().create(apply_fn=apply_fn, params=params, tx=tx,
                               model_state=model_state, **kwargs)
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """flax's `apply_gradients`, for your own step on a replicated state; on a state whose
+        optimizer state `jdp.broadcast(..., shard_optimizer=True)` stored split and padded, a
+        one-line error naming `jdp.train_step` instead of a shape error inside optax."""
+        _checks.own_step_opt_state(self)
+        return super().apply_gradients(grads=grads, **kwargs)
 
 
 def broadcast(tree: Any, *, shard_optimizer: bool = False,
