@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _mesh, _rng, _zero
+from jdp.core import _checks, _layers, _mesh, _rng, _zero
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -170,12 +170,13 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     """The gradient of the devices' summed loss with respect to `params`, summed over the k
     micro-batches, the devices mapped by `device_map` (`_flat_map` or `_grouped_map`).
     Returns (gradients, model states `[n, ...]`, losses `[k, n]`, metrics `[k, n, ...]`)."""
-    mapped, axes = device_map
+    mapped, axes, gathered = device_map
     use_rng = getattr(state, "rng", None) is not None
 
     def device_loss(params, b, ms, i):
         rng = _device_rng(state, i if k > 1 else None, axes) if use_rng else None
-        loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
+        with _layers.gathering(*gathered):
+            loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
         return loss, (loss, metrics, new_ms)
 
     every_device = mapped(device_loss)
@@ -195,13 +196,14 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     return grads, ms, losses, metrics
 
 
-def _flat_map(spmd_axes):
+def _flat_map(spmd_axes, group=None):
     """One vmap over all devices, named `AXIS`, the parameters unbatched: each use's gradient
-    is reduced over every device where it is computed."""
+    is reduced over every device where it is computed (the parameters split within groups of
+    `group` devices under HSDP's fallback, else over all)."""
     def mapped(device_loss):
         return jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=AXIS,
                         spmd_axis_name=spmd_axes)
-    return mapped, AXIS
+    return mapped, AXIS, (AXIS, group)
 
 
 _GROUPS, _IN_GROUP = "jdp_groups", "jdp_in_group"   # HSDP's two vmap axes
@@ -219,7 +221,7 @@ def _grouped_map(group):
         split = lambda t: jax.tree.map(lambda x: x.reshape(-1, group, *x.shape[1:]), t)  # noqa: E731
         join = lambda t: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), t)  # noqa: E731
         return lambda params, b, ms, i: join(outer(params, split(b), split(ms), i))
-    return mapped, (_GROUPS, _IN_GROUP)
+    return mapped, (_GROUPS, _IN_GROUP), (_IN_GROUP, group)
 
 
 def _grouped_grads(loop, params, axes, group, comm_dtype):
@@ -243,7 +245,7 @@ def _grouped_grads(loop, params, axes, group, comm_dtype):
         if "unbound axis name" not in str(e) or AXIS not in str(e):
             raise
         _checks.hsdp_loss_collectives(comm_dtype, group)
-        return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD)))
+        return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD), group))
     grads = each(lambda a, g: _across_groups(g, a, group, comm_dtype), axes, grads)
     return grads, ms, losses, metrics
 

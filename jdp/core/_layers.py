@@ -1,0 +1,200 @@
+"""FSDP's layers: a model whose layers are unrolled gathers one layer's parameters at a time.
+
+Under `shard_params` the parameters enter the step split (`_grads.mapped_grads`) and the
+compiler gathers each where it is used. In a scanned model that is inside the loop, one layer
+at a time; in an unrolled model nothing ties a layer's gather to the layer, and XLA schedules
+every gather at the start of the step (and again every re-gather of the backward pass), so
+the whole model is live at once. Here each layer (a flax linen submodule found by a policy, an
+NNX submodule, or a function marked with `layer`) runs as one `jax.custom_vjp`:
+
+- forward: the layer's split parameters are made to depend on the layer's input (a scalar
+  drawn from it, all-reduced so that it is the same on every device, folded in as an exact
+  zero), then gathered, so no gather can run before the layer before it has produced its
+  output; only the split parameters and the input are saved for the backward pass;
+- backward: the parameters are gathered again, after the layer's output cotangent has
+  arrived (the same kind of dependency), the layer's gradient is reduced over the devices and
+  split again at once, and the cotangent passed to the layer before carries an exact zero
+  drawn from that reduced gradient, so that each layer's reduction completes before the next
+  one starts and the compiler cannot merge them into one at the end of the step.
+
+The dependencies are data, not `lax.optimization_barrier`: XLA:CPU removes barriers before it
+schedules. Each costs one all-reduce of a scalar per layer and direction.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdp.core import _mesh, _zero
+
+
+class _Gathering(NamedTuple):
+    """What a layer needs to gather inside the step's device map: the vmap axes its parameters
+    are unbatched over (the devices that hold one copy), and the HSDP group (None: all)."""
+    axes: Any
+    group: int | None
+
+
+_ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
+    "jdp_fsdp_gathering", default=None)
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jdp_fsdp_in_layer",
+                                                               default=False)
+
+
+def layer(fn: Callable) -> Callable:
+    """Mark `fn(params, *args)` as one layer of a model written as plain functions.
+
+    Under `jdp.train_step(..., shard_params=...)` the layer's parameters (the `params`
+    subtree it is given) are gathered just before it runs and again in the backward pass, and
+    their gradient is reduced as soon as the layer's backward pass is done, so an unrolled
+    model holds one layer whole at a time. Anywhere else (one device, replicated, ZeRO, an
+    evaluation) it is `fn` itself.
+
+    Args:
+      fn: a function of the layer's parameters and its inputs (arrays or pytrees of them).
+
+    Returns:
+      A function with `fn`'s signature.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> dense = layer(lambda p, x: jnp.tanh(x @ p["w"]))
+        >>> def model(params, x):
+        ...     for p in params["layers"]:
+        ...         x = dense(p, x)
+        ...     return x
+        >>> model({"layers": [{"w": jnp.eye(2)}] * 3}, jnp.ones((1, 2))).shape
+        (1, 2)
+    """
+    @functools.wraps(fn)
+    def call(params, *args):
+        where = _ACTIVE.get()
+        if where is None or _INSIDE.get():
+            return fn(params, *args)
+        return gathered_call(fn, params, args, where)
+    return call
+
+
+def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> Any:
+    """`fn(params, *args)` with `params` gathered just in time, forward and backward."""
+    arrays, rebuild = _split_static(args)
+    inner = _inside(lambda p, a: fn(p, *rebuild(a)))
+    pure, consts = jax.closure_convert(inner, params, arrays)
+
+    @jax.custom_vjp
+    def run(p, a, c):
+        return pure(_gather(p, a, where), a, *c)
+
+    def fwd(p, a, c):
+        return run(p, a, c), (p, a, c)
+
+    def bwd(saved, g):
+        p, a, c = saved
+        full = _gather(p, g, where)
+        _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
+        dp, da, dc = vjp(g)
+        dp = jax.tree.map(lambda d: _split(lax.psum(d, where.axes), where), dp)
+        return dp, _carrying(da, jax.tree.leaves(dp)), dc
+
+    run.defvjp(fwd, bwd)
+    return run(params, arrays, consts)
+
+
+def _inside(fn: Callable) -> Callable:
+    """`fn` run with the layer flag set: a layer inside a layer is not gathered again."""
+    def run(*args):
+        token = _INSIDE.set(True)
+        try:
+            return fn(*args)
+        finally:
+            _INSIDE.reset(token)
+    return run
+
+
+def _split_static(args: Any) -> tuple[list, Callable]:
+    """The array leaves of `args`, and a function that puts arrays back among the rest (Python
+    values such as `deterministic=True`, which stay what they are)."""
+    leaves, tree = jax.tree.flatten(args)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
+
+    def rebuild(arrays):
+        out = list(leaves)
+        for i, x in zip(where, arrays, strict=True):
+            out[i] = x
+        return jax.tree.unflatten(tree, out)
+    return [leaves[i] for i in where], rebuild
+
+
+def _gather(params: Any, after: Any, where: _Gathering) -> Any:
+    """`params` whole on every device, gathered only once `after` (any arrays) exists."""
+    zero = _zero_after(after, where)
+    replicated = (_mesh.replicated() if where.group is None
+                  else jax.sharding.NamedSharding(_mesh.group_mesh(where.group),
+                                                  jax.sharding.PartitionSpec()))
+
+    def one(p):
+        if not jnp.issubdtype(p.dtype, jnp.floating) or not p.ndim:
+            return p
+        p = _split(p + zero.astype(p.dtype), where) if zero is not None else p
+        return lax.with_sharding_constraint(p, replicated)
+    return jax.tree.map(one, params)
+
+
+def _zero_after(after: Any, where: _Gathering) -> jax.Array | None:
+    """An exact float32 zero that the compiler can only compute once `after` exists: a sign
+    bit of its first element (0 or 1), the largest over the devices (so that it is the same on
+    each, as the parameters are), times 0.0 — a finite number times zero, which XLA does not
+    fold away (it cannot know the value is finite)."""
+    leaves = [x for x in jax.tree.leaves(after) if hasattr(x, "dtype") and jnp.size(x)]
+    if not leaves:
+        return None
+    return _sign_zero(lax.pmax(_sign_bit(leaves[0]), where.axes))
+
+
+def _sign_bit(x: jax.Array) -> jax.Array:
+    first = jnp.ravel(x)[0]
+    first = first.astype(jnp.float32) if first.dtype != jnp.float32 else first
+    return lax.shift_right_logical(lax.bitcast_convert_type(first, jnp.uint32), jnp.uint32(31))
+
+
+def _sign_zero(bit: jax.Array) -> jax.Array:
+    return bit.astype(jnp.float32) * 0.0
+
+
+def _carrying(cotangents: Any, reduced: list) -> Any:
+    """The input cotangents plus an exact zero drawn from every reduced gradient (its maximum,
+    read locally from the split result): the layer before cannot start its backward pass, and
+    its reduction cannot be merged with this one, until this layer's gradient is reduced."""
+    floats = [d for d in reduced if jnp.issubdtype(d.dtype, jnp.floating) and d.size]
+    if not floats:
+        return cotangents
+    zero = sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats)
+
+    def one(c):
+        if not hasattr(c, "dtype") or not jnp.issubdtype(c.dtype, jnp.floating):
+            return c
+        return c + zero.astype(c.dtype)
+    return jax.tree.map(one, cotangents)
+
+
+def _split(x: jax.Array, where: _Gathering) -> jax.Array:
+    """`x` split as FSDP stores a parameter of its shape (`_zero.shard_axis`)."""
+    return lax.with_sharding_constraint(x, _zero.split_on(_zero.shard_axis(x.shape),
+                                                          where.group))
+
+
+@contextlib.contextmanager
+def gathering(axes: Any, group: int | None):
+    """While the step traces the loss: `layer`s (and the layers a policy finds) gather."""
+    token = _ACTIVE.set(_Gathering(axes, group))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
