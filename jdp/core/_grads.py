@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _layers, _mesh, _rng, _zero
+from jdp.core import _checks, _layers, _layers_linen, _mesh, _rng, _zero
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -173,9 +173,11 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     mapped, axes, gathered = device_map
     use_rng = getattr(state, "rng", None) is not None
 
+    linen_layers = frozenset()
+
     def device_loss(params, b, ms, i):
         rng = _device_rng(state, i if k > 1 else None, axes) if use_rng else None
-        with _layers.gathering(*gathered):
+        with _layers.gathering(*gathered), _layers_linen.gathering(linen_layers):
             loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
         return loss, (loss, metrics, new_ms)
 
@@ -184,6 +186,10 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     def total(params, b, ms, i):
         losses, aux = every_device(_zero.cast(params, compute_dtype), b, ms, i)
         return jnp.sum(losses) / scale, aux
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    linen_layers = _layers_linen.find(_layers.policy_of(loss_fn),
+                                      lambda: total(params, first, ms, 0))
 
     def body(carry, i):
         grad_sum, ms = carry

@@ -198,3 +198,99 @@ def gathering(axes: Any, group: int | None):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+class Policy(NamedTuple):
+    """Which submodules of a flax model are its layers under FSDP (`layer_policy`)."""
+    modules: tuple[type, ...] | None = None
+    min_params: int | None = None
+    enabled: bool = True
+
+
+_POLICY = "_jdp_layer_policy"
+
+
+def layer_policy(loss_fn: Callable, *, modules: Any = None, min_params: int | None = None,
+                 enabled: bool = True) -> Callable:
+    """`loss_fn` with the rule FSDP uses to find the layers of its flax model, in place of the
+    default (the repeated submodules nearest the top: the blocks of a Python loop).
+
+    Under `shard_params` each layer found is gathered on its own, just before it runs and
+    again in the backward pass; what no layer holds is gathered where the compiler puts it.
+
+    Args:
+      loss_fn: the loss given to `jdp.train_step`.
+      modules: a module class or a tuple of them: every outermost submodule of one of these
+        classes is a layer (as FSDP2's `ModuleWrapPolicy`).
+      min_params: every submodule holding at least this many parameters not already in a
+        smaller layer is a layer, found from the innermost out (as FSDP2's size-based policy).
+      enabled: False: no layer is gathered on its own (the compiler places every gather).
+
+    Returns:
+      `loss_fn`, to give to `jdp.train_step`.
+
+    Example:
+        >>> loss = layer_policy(lambda params, batch: 0.0, min_params=1_000_000)
+    """
+    modules = (modules,) if isinstance(modules, type) else modules
+    if modules is not None and not (isinstance(modules, tuple) and modules
+                                    and all(isinstance(m, type) for m in modules)):
+        raise TypeError(f"layer_policy(modules={modules!r}): expected a module class or a "
+                        "tuple of them, e.g. modules=nn.Dense")
+    if min_params is not None and (isinstance(min_params, bool) or not isinstance(
+            min_params, int) or min_params < 1):
+        raise ValueError(f"layer_policy(min_params={min_params!r}): expected an int >= 1, a "
+                         "parameter count")
+    if modules is not None and min_params is not None:
+        raise ValueError("layer_policy: give modules= or min_params=, not both")
+
+    @functools.wraps(loss_fn)
+    def loss(*args, **kwargs):
+        return loss_fn(*args, **kwargs)
+    setattr(loss, _POLICY, Policy(modules, min_params, bool(enabled)))
+    return loss
+
+
+def policy_of(loss_fn: Callable) -> Policy:
+    """The layer policy `loss_fn` carries (`layer_policy`), else the default."""
+    return getattr(loss_fn, _POLICY, Policy())
+
+
+def choose(found: dict, policy: Policy) -> frozenset:
+    """The paths of the layers among `found` ({module path: (class, parameter count)}, the
+    submodules holding parameters that the model called) under `policy`."""
+    if not policy.enabled:
+        return frozenset()
+    if policy.min_params is not None:
+        return _by_size(found, policy.min_params)
+    if policy.modules is not None:
+        picked = {p for p, (cls, _) in found.items() if p and issubclass(cls, policy.modules)}
+        return frozenset(p for p in picked if not any(p[:i] in picked for i in range(len(p))))
+    return _repeated(found)
+
+
+def _repeated(found: dict) -> frozenset:
+    """The default: the submodules of a class that occurs twice or more at one depth, at the
+    smallest depth where one does (a Transformer's blocks, an MLP's layers)."""
+    groups: dict = {}
+    for path, (cls, _) in found.items():
+        if path:
+            groups.setdefault((cls, len(path)), []).append(path)
+    repeated = [(depth, paths) for (_, depth), paths in groups.items() if len(paths) >= 2]
+    if not repeated:
+        return frozenset()
+    top = min(depth for depth, _ in repeated)
+    return frozenset(p for depth, paths in repeated if depth == top for p in paths)
+
+
+def _by_size(found: dict, least: int) -> frozenset:
+    """Innermost first: a submodule is a layer when the parameters it holds outside the layers
+    already chosen inside it number at least `least` (the root is never one)."""
+    chosen: set = set()
+    for path in sorted(found, key=len, reverse=True):
+        below = [c for c in chosen if c[:len(path)] == path]
+        outer = [c for c in below if not any(c[:i] in chosen for i in range(len(path) + 1,
+                                                                               len(c)))]
+        if path and found[path][1] - sum(found[c][1] for c in outer) >= least:
+            chosen.add(path)
+    return frozenset(chosen)
