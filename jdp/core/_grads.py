@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _layers, _layers_linen, _mesh, _rng, _zero
+from jdp.core import _checks, _layers, _layers_flax, _mesh, _rng, _zero
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -173,11 +173,11 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     mapped, axes, gathered = device_map
     use_rng = getattr(state, "rng", None) is not None
 
-    linen_layers = frozenset()
+    found = (frozenset(), frozenset())   # the flax layers: none while `find` looks for them
 
     def device_loss(params, b, ms, i):
         rng = _device_rng(state, i if k > 1 else None, axes) if use_rng else None
-        with _layers.gathering(*gathered), _layers_linen.gathering(linen_layers):
+        with _layers.gathering(*gathered), _layers_flax.gathering(found):
             loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
         return loss, (loss, metrics, new_ms)
 
@@ -188,8 +188,7 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
         return jnp.sum(losses) / scale, aux
 
     first = jax.tree.map(lambda x: x[0], micro)
-    linen_layers = _layers_linen.find(_layers.policy_of(loss_fn),
-                                      lambda: total(params, first, ms, 0))
+    found = _layers_flax.find(loss_fn, lambda: total(params, first, ms, 0))
 
     def body(carry, i):
         grad_sum, ms = carry

@@ -148,14 +148,16 @@ def _gather(params: Any, after: Any, where: _Gathering) -> Any:
 
 
 def _zero_after(after: Any, where: _Gathering) -> jax.Array | None:
-    """An exact float32 zero that the compiler can only compute once `after` exists: a sign
-    bit of its first element (0 or 1), the largest over the devices (so that it is the same on
+    """An exact float32 zero that the compiler can only compute once all of `after` exists:
+    the sign bits of its leaves' first elements (0 or 1), the largest, over the devices too (so that it is the same on
     each, as the parameters are), times 0.0 — a finite number times zero, which XLA does not
     fold away (it cannot know the value is finite)."""
-    leaves = [x for x in jax.tree.leaves(after) if hasattr(x, "dtype") and jnp.size(x)]
+    leaves = [x for x in jax.tree.leaves(after) if hasattr(x, "dtype") and jnp.size(x)
+              and jnp.issubdtype(x.dtype, jnp.number)]
     if not leaves:
         return None
-    return _sign_zero(lax.pmax(_sign_bit(leaves[0]), where.axes))
+    bits = functools.reduce(jnp.maximum, [_sign_bit(x) for x in leaves])
+    return _sign_zero(lax.pmax(bits, where.axes))
 
 
 def _sign_bit(x: jax.Array) -> jax.Array:
