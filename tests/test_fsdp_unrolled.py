@@ -156,6 +156,11 @@ def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change()
         params = net.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
         forms.append((mse(lambda p, x, net=net: net.apply({"params": p}, x)), params))
     check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
+    scan_loss, scan_params = forms[1]     # a scanned model's step: as without any layer
+    as_is, _ = fsdp(scan_loss, scan_params, batches(N * PER, D, steps=1))
+    off, _ = fsdp(layer_policy(scan_loss, enabled=False), scan_params,
+                  batches(N * PER, D, steps=1))
+    assert (all_gather_bytes(as_is), peak_mib(as_is)) == (all_gather_bytes(off), peak_mib(off))
 
 
 def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():

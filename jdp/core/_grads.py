@@ -177,7 +177,7 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
 
     def device_loss(params, b, ms, i):
         rng = _device_rng(state, i if k > 1 else None, axes) if use_rng else None
-        with _layers.gathering(*gathered), _layers_flax.gathering(found):
+        with _layers.gathering(*gathered, params), _layers_flax.gathering(found):
             loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
         return loss, (loss, metrics, new_ms)
 

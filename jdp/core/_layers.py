@@ -37,9 +37,11 @@ from jdp.core import _mesh, _zero
 
 class _Gathering(NamedTuple):
     """What a layer needs to gather inside the step's device map: the vmap axes its parameters
-    are unbatched over (the devices that hold one copy), and the HSDP group (None: all)."""
+    are unbatched over (the devices that hold one copy), the HSDP group (None: all), and the
+    ids of the parameter values the loss was given (`is_given`)."""
     axes: Any
     group: int | None
+    ids: frozenset = frozenset()
 
 
 _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
@@ -192,10 +194,21 @@ def _split(x: jax.Array, where: _Gathering) -> jax.Array:
                                                           where.group))
 
 
+def is_given(params: Any) -> bool:
+    """Are `params` some of the step's own parameters, as the loss was given them? Not when
+    they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`: those gather per
+    layer already) or values the loss computed from them."""
+    where = _ACTIVE.get()
+    leaves = jax.tree.leaves(params)
+    return where is not None and bool(leaves) and all(id(x) in where.ids for x in leaves)
+
+
 @contextlib.contextmanager
-def gathering(axes: Any, group: int | None):
-    """While the step traces the loss: `layer`s (and the layers a policy finds) gather."""
-    token = _ACTIVE.set(_Gathering(axes, group))
+def gathering(axes: Any, group: int | None, params: Any = None):
+    """While the step traces the loss on `params`: `layer`s (and the layers a policy finds)
+    gather."""
+    ids = frozenset(id(x) for x in jax.tree.leaves(params))
+    token = _ACTIVE.set(_Gathering(axes, group, ids))
     try:
         yield
     finally:

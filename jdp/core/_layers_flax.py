@@ -67,7 +67,7 @@ def _linen_recording(found: dict):
         if context.method_name == "__call__" and module.scope is not None:
             params = module.variables.get("params", {})
             count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-            if count:
+            if count and _layers.is_given(params):
                 found[module.path] = (type(module), count)
         return next_fun(*args, **kwargs)
 
@@ -137,8 +137,9 @@ def _nnx_recording(found: dict):
     from flax import nnx
 
     def record(module, path, call, args, kwargs):
-        count = sum(int(np.size(x)) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
-        if count:
+        params = nnx.state(module, nnx.Param)
+        count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        if count and _layers.is_given(params):
             found[path] = (type(module), count)
         return call(module, *args, **kwargs)
 
