@@ -328,3 +328,36 @@ def test_an_unrolled_model_without_layers_is_gathered_as_before():
 def test_a_bad_layer_policy_is_refused_naming_the_value(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         layer_policy(lambda p, b: 0.0, **kwargs)
+
+
+def test_a_linen_layer_draws_the_dropout_it_draws_in_place():
+    """Per device and step, the same keys as the model run without per-layer gathering."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return nn.Dropout(0.5, deterministic=False)(jnp.tanh(nn.Dense(64)(h)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(4):
+                x = Block()(x)
+            return x
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
+
+    def loss(p, b, rng):
+        return jnp.mean((net.apply({"params": p}, b["x"], rngs={"dropout": rng}) - b["y"]) ** 2)
+
+    trained = []
+    for each in (loss, layer_policy(loss, enabled=False)):
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX,
+                                                    rng=jax.random.key(3)), shard_params=True)
+        step = jdp.train_step(each, shard_params=True)
+        for b in batches(N * 4, 64):
+            state, _ = step(state, jdp.shard(b))
+        trained.append(jdp.unshard(state).params)
+    assert_tree_close(*trained)

@@ -87,8 +87,7 @@ def layer(fn: Callable) -> Callable:
 def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> Any:
     """`fn(params, *args)` with `params` gathered just in time, forward and backward."""
     arrays, rebuild = _split_static(args)
-    inner = _inside(lambda p, a: fn(p, *rebuild(a)))
-    pure, consts = jax.closure_convert(inner, params, arrays)
+    pure, consts = _hoisted(_inside(lambda p, a: fn(p, *rebuild(a))), params, arrays)
 
     @jax.custom_vjp
     def run(p, a, c):
@@ -107,6 +106,23 @@ def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> 
 
     run.defvjp(fwd, bwd)
     return run(params, arrays, consts)
+
+
+def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
+    """`fn` as a function of `example`'s values and of every value it closes over (`consts`):
+    `(pure, consts)` with `pure(*example, *consts) == fn(*example)`. Unlike
+    `jax.closure_convert`, every closed-over value is hoisted, random keys and integers too:
+    the backward pass is traced after the device map, where a value of the map's trace that
+    `fn` closed over could no longer be used."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+    out_tree = jax.tree.structure(shape)
+    n = len(jax.tree.leaves(example))
+
+    def pure(*args):
+        flat = jax.tree.leaves(args[:len(example)])
+        out = jax.core.eval_jaxpr(closed.jaxpr, list(args[len(example):]), *flat[:n])
+        return jax.tree.unflatten(out_tree, out)
+    return pure, list(closed.consts)
 
 
 def _inside(fn: Callable) -> Callable:

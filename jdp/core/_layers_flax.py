@@ -103,14 +103,18 @@ def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
     params = variables.pop("params")
     if any(module.is_mutable_collection(c) for c in variables) or _writes(module):
         return _AS_IS
-    # The scope's random streams by name: flax has no public list of them (`Scope.rngs`).
-    names = list(getattr(module.scope, "rngs", {}))
-    rngs = {name: module.make_rng(name) for name in names} or None
-    alone = module.clone(parent=None)
+    # The module's own random streams (flax's `Scope.rngs`: the key and the path folded into
+    # it lazily), so that the layer applied on its own draws what it draws in place; flax's
+    # public `apply` takes only keys, so the layer is bound to a root `Scope` made with them,
+    # as `Module.apply` binds a model (`clone(parent=scope, _deep_clone=True)`).
+    from flax.core import Scope
+
+    rngs = dict(getattr(module.scope, "rngs", {}))
 
     def apply(p, call_args):
         a, k = call_args
-        return alone.apply({"params": p, **variables}, *a, rngs=rngs, **k)
+        scope = Scope({"params": p, **variables}, rngs=rngs, mutable=False)
+        return module.clone(parent=scope, _deep_clone=True)(*a, **k)
     return _layers.gathered_call(apply, params, ((args, kwargs),), where)
 
 
