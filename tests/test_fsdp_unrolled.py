@@ -376,3 +376,86 @@ def test_the_unrolled_fsdp_benchmark_measures_every_mode():
     per_layer = found["FSDP, one layer at a time (default)"]
     assert per_layer["rest"] <= replicated["rest"] / 8 * 1.1
     assert all(f["peak"] > 0 and f["ms"] > 0 for f in found.values())
+
+
+def test_an_nnx_layer_with_batchnorm_and_dropout_threads_its_state_as_in_place():
+    """Statistics and random counters go into each gathered layer and come back out: the same
+    numbers as the model run without per-layer gathering."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(32, 32, rngs=rngs)
+            self.norm = nnx.BatchNorm(32, rngs=rngs)
+            self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+        def __call__(self, h):
+            return self.drop(jnp.tanh(self.norm(self.dense(h))))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(3)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+
+    def loss(p, b, model_state):
+        model = nnx.merge(graphdef, p, model_state)
+        out = model(b["x"])
+        return jnp.mean((out - b["y"]) ** 2), nnx.state(model, nnx.Not(nnx.Param))
+
+    trained = []
+    for each in (loss, layer_policy(loss, enabled=False)):
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX,
+                                                    model_state=rest), shard_params=True)
+        step = jdp.train_step(each, shard_params=True, model_state_sync=None)
+        for b in batches(N * 4, 32):
+            state, _ = step(state, jdp.shard(b))
+        stats = [x for x in jax.tree.leaves(state.model_state)
+                 if jnp.issubdtype(x.dtype, jnp.floating)]
+        trained.append((jdp.unshard(state).params, stats))
+    assert_tree_close(*trained)
+
+
+def test_a_linen_model_applied_with_batchnorm_statistics_runs_as_before():
+    """A layer's writes to a collection (BatchNorm statistics in training) would have to come
+    back out of the layer applied on its own: such a model runs with the gathers left to the
+    compiler, to the same numbers."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return jnp.tanh(nn.BatchNorm(use_running_average=False)(nn.Dense(32)(h)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = Block()(x)
+            return x
+
+    net = Net()
+    variables = net.init(jax.random.key(0), jnp.zeros((1, 32)))
+
+    def loss(p, b, model_state):
+        out, new = net.apply({"params": p, **model_state}, b["x"], mutable=["batch_stats"])
+        return jnp.mean((out - b["y"]) ** 2), new
+
+    results, gathers = [], []
+    for each in (loss, layer_policy(loss, enabled=False)):
+        state = jdp.broadcast(jdp.TrainState.create(
+            apply_fn=None, params=variables["params"], tx=TX,
+            model_state={"batch_stats": variables["batch_stats"]}), shard_params=True)
+        step = jdp.train_step(each, shard_params=True)
+        compiled = step.lower(state, jdp.shard(batches(N * 4, 32)[0])).compile()
+        for b in batches(N * 4, 32):
+            state, _ = step(state, jdp.shard(b))
+        results.append((jdp.unshard(state).params, state.model_state))
+        gathers.append(sorted(all_gather_bytes(compiled)))
+    assert gathers[0] == gathers[1]
+    assert_tree_close(*results)

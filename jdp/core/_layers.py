@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -167,9 +166,9 @@ def _gather(params: Any, after: Any, where: _Gathering) -> Any:
 
 def _zero_after(after: Any, where: _Gathering) -> jax.Array | None:
     """An exact float32 zero that the compiler can only compute once all of `after` exists:
-    the sign bits of its leaves' first elements (0 or 1), the largest, over the devices too (so that it is the same on
-    each, as the parameters are), times 0.0 — a finite number times zero, which XLA does not
-    fold away (it cannot know the value is finite)."""
+    the sign bits of its leaves' first elements (0 or 1), the largest, over the devices too
+    (so that it is the same on each, as the parameters are), times 0.0 — a finite number
+    times zero, which XLA does not fold away (it cannot know the value is finite)."""
     leaves = [x for x in jax.tree.leaves(after) if hasattr(x, "dtype") and jnp.size(x)
               and jnp.issubdtype(x.dtype, jnp.number)]
     if not leaves:

@@ -96,12 +96,15 @@ _AS_IS = object()
 
 
 def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
-    """`module(*args, **kwargs)` with its parameters gathered on their own; `_AS_IS` for a module
-    that writes a collection in this call (BatchNorm statistics, sown values): those run as
-    they are, gathered where the compiler puts them."""
+    """`module(*args, **kwargs)` with its parameters gathered on their own; `_AS_IS` when the
+    model is applied with a collection it may write (BatchNorm statistics in training, sown
+    values): then it runs as it is, gathered where the compiler puts it."""
     variables = dict(module.variables)
     params = variables.pop("params")
-    if any(module.is_mutable_collection(c) for c in variables) or _writes(module):
+    # The collections this `apply` may write (flax's `Scope.mutable` filter): any, and the
+    # layer's writes (even to a collection that does not exist yet, as `sow` makes) would have
+    # to come back out of the layer applied on its own.
+    if getattr(module.scope, "mutable", False) is not False or module.is_initializing():
         return _AS_IS
     # The module's own random streams (flax's `Scope.rngs`: the key and the path folded into
     # it lazily), so that the layer applied on its own draws what it draws in place; flax's
@@ -118,12 +121,6 @@ def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
     return _layers.gathered_call(apply, params, ((args, kwargs),), where)
 
 
-def _writes(module: Any) -> bool:
-    """Could `module`'s call create or write variables (initialisation, a mutable
-    collection that holds nothing yet)?"""
-    return module.is_initializing()
-
-
 class _Calls:
     """The call tree of one trace: the path of the call running now, and each path's count
     of calls made under it so far."""
@@ -132,6 +129,7 @@ class _Calls:
         self.path: tuple = ()
         self.counts: dict = {}
         self.depth = 0
+        self.current: Any = None   # the module whose call runs now
         self.on_call = on_call
 
 
@@ -192,13 +190,13 @@ def _reporting(fn: Callable, calls: _Calls) -> Callable:
     a layer, or inside a `super().__call__`, are not reported."""
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        if _layers._INSIDE.get() or calls.depth and getattr(calls, "current", None) is self:
+        if _layers._INSIDE.get() or calls.current is self:
             return fn(self, *args, **kwargs)
         parent, path = calls.path, ()
         if calls.depth:
             path = parent + (calls.counts.get(parent, 0),)
             calls.counts[parent] = path[-1] + 1
-        outer = getattr(calls, "current", None)
+        outer = calls.current
         calls.path, calls.current, calls.depth = path, self, calls.depth + 1
         try:
             return calls.on_call(self, path, fn, args, kwargs)
