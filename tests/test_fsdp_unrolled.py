@@ -459,3 +459,25 @@ def test_a_linen_model_applied_with_batchnorm_statistics_runs_as_before():
         gathers.append(sorted(all_gather_bytes(compiled)))
     assert gathers[0] == gathers[1]
     assert_tree_close(*results)
+
+
+def test_marked_layers_with_accumulation_and_clipping_train_exactly():
+    marked = layer(dense)
+
+    def unrolled(params, x):
+        for p in params:
+            x = marked(p, x)
+        return x
+
+    tx = optax.chain(optax.clip_by_global_norm(0.05), TX)
+    params, data, loss = mlp_params(), batches(N * PER, D), mse(unrolled)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=tx),
+                          shard_params=True)
+    step = jdp.train_step(loss, shard_params=True, accum_steps=2)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    want, opt_state = params, tx.init(params)
+    for b in data:
+        updates, opt_state = tx.update(jax.grad(loss)(want, b), opt_state, want)
+        want = optax.apply_updates(want, updates)
+    assert_tree_close(jdp.unshard(state).params, want)
