@@ -100,11 +100,19 @@ def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> 
         full = _gather(p, g, where)
         _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
         dp, da, dc = vjp(g)
-        dp = jax.tree.map(lambda d: _split(lax.psum(d, where.axes), where), dp)
+        dp = jax.tree.map(lambda d: _reduced(d, where), dp)
         return dp, _carrying(da, jax.tree.leaves(dp)), dc
 
     run.defvjp(fwd, bwd)
     return run(params, arrays, consts)
+
+
+def _reduced(d: jax.Array, where: _Gathering) -> jax.Array:
+    """One parameter's gradient summed over the devices that share its copy, split again as
+    stored (an integer parameter's zero cotangent stays as it is)."""
+    if d.dtype == jax.dtypes.float0:
+        return d
+    return _split(lax.psum(d, where.axes), where)
 
 
 def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
@@ -191,7 +199,8 @@ def _carrying(cotangents: Any, reduced: list) -> Any:
     """The input cotangents plus an exact zero drawn from every reduced gradient (its maximum,
     read locally from the split result): the layer before cannot start its backward pass, and
     its reduction cannot be merged with this one, until this layer's gradient is reduced."""
-    floats = [d for d in reduced if jnp.issubdtype(d.dtype, jnp.floating) and d.size]
+    floats = [d for d in reduced if d.dtype != jax.dtypes.float0 and d.size
+              and jnp.issubdtype(d.dtype, jnp.floating)]
     if not floats:
         return cotangents
     zero = sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats)
