@@ -29,14 +29,25 @@ class Collective(NamedTuple):
 def collectives(hlo_text: str) -> dict[str, Collective]:
     """A `Collective` per kind (all-reduce, reduce-scatter, all-gather) of an HLO module."""
     found = dict.fromkeys(("all-reduce", "reduce-scatter", "all-gather"), Collective())
+    for kind, size, arrays in _each(hlo_text):
+        c = found[kind]
+        found[kind] = Collective(c.ops + 1, c.bytes + size, c.arrays + arrays)
+    return found
+
+
+def each_collective(hlo_text: str) -> list[tuple[str, int]]:
+    """(kind, result bytes) of every collective op of an HLO module, in program order: FSDP's
+    per-layer gathers show as one all-gather per parameter of a layer, none of a whole model."""
+    return [(kind, size) for kind, size, _ in _each(hlo_text)]
+
+
+def _each(hlo_text: str):
     for line in hlo_text.splitlines():
         if match := _OP.match(line):
             shapes = [(t, d) for t, d in _SHAPE.findall(match.group(1)) if t in _BYTES]
             size = sum(int(np.prod([int(x) for x in d.split(",") if x])) * _BYTES[t]
                        for t, d in shapes)
-            c = found[match.group(2)]
-            found[match.group(2)] = Collective(c.ops + 1, c.bytes + size, c.arrays + len(shapes))
-    return found
+            yield match.group(2), size, len(shapes)
 
 
 def ring_bytes(found: dict[str, Collective], n: int) -> float:

@@ -64,7 +64,11 @@ TABLES = [*report.TABLES,
           ("15. One process per device (jdp.launch 2 x 1) against one process with both devices, "
            "a hand-written jit(shard_map) step and PyTorch DDP (torchrun); where the 2 x 1 step's "
            "time goes", selected("layouts", lambda r: importlib.import_module(
-               "benchmarks.layouts").table()))]
+               "benchmarks.layouts").table())),
+          ("16. FSDP on an unrolled Transformer (flax lm1b's TransformerLM): one layer at a "
+           "time against the gathers left to the compiler, the model scanned, ZeRO and "
+           "replicated", selected("zero", lambda r: importlib.import_module(
+               "benchmarks.fsdp_unrolled").table(r)))]
 
 
 def measure(workers: dict, settings: dict) -> dict:

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _mesh, _rng, _zero
+from jdp.core import _checks, _layers, _layers_flax, _mesh, _rng, _zero
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -186,12 +186,15 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     """The gradient of the devices' summed loss with respect to `params`, summed over the k
     micro-batches, the devices mapped by `device_map` (`_flat_map` or `_grouped_map`).
     Returns (gradients, model states `[n, ...]`, losses `[k, n]`, metrics `[k, n, ...]`)."""
-    mapped, axes = device_map
+    mapped, axes, gathered = device_map
     use_rng = getattr(state, "rng", None) is not None
+
+    found = (frozenset(), frozenset())   # the flax layers: none while `find` looks for them
 
     def device_loss(params, b, ms, i):
         rng = _device_rng(state, i if k > 1 else None, axes) if use_rng else None
-        loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
+        with _layers.gathering(*gathered, params), _layers_flax.gathering(found):
+            loss, (metrics, new_ms) = _call_loss(loss_fn, has_aux, params, b, ms, rng)
         return loss, (loss, metrics, new_ms)
 
     every_device = mapped(device_loss)
@@ -199,6 +202,9 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     def total(params, b, ms, i):
         losses, aux = every_device(_zero.cast(params, compute_dtype), b, ms, i)
         return jnp.sum(losses) / scale, aux
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    found = _layers_flax.find(loss_fn, lambda: total(params, first, ms, 0))
 
     def body(carry, i):
         grad_sum, ms = carry
@@ -211,13 +217,14 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     return grads, ms, losses, metrics
 
 
-def _flat_map(spmd_axes):
+def _flat_map(spmd_axes, group=None):
     """One vmap over all devices, named `AXIS`, the parameters unbatched: each use's gradient
-    is reduced over every device where it is computed."""
+    is reduced over every device where it is computed (the parameters split within groups of
+    `group` devices under HSDP's fallback, else over all)."""
     def mapped(device_loss):
         return jax.vmap(device_loss, in_axes=(None, 0, 0, None), axis_name=AXIS,
                         spmd_axis_name=spmd_axes)
-    return mapped, AXIS
+    return mapped, AXIS, (AXIS, group)
 
 
 _GROUPS, _IN_GROUP = "jdp_groups", "jdp_in_group"   # HSDP's two vmap axes
@@ -235,7 +242,7 @@ def _grouped_map(group):
         split = lambda t: jax.tree.map(lambda x: x.reshape(-1, group, *x.shape[1:]), t)  # noqa: E731
         join = lambda t: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), t)  # noqa: E731
         return lambda params, b, ms, i: join(outer(params, split(b), split(ms), i))
-    return mapped, (_GROUPS, _IN_GROUP)
+    return mapped, (_GROUPS, _IN_GROUP), (_IN_GROUP, group)
 
 
 def _grouped_grads(loop, params, axes, group, comm_dtype):
@@ -259,7 +266,7 @@ def _grouped_grads(loop, params, axes, group, comm_dtype):
         if "unbound axis name" not in str(e) or AXIS not in str(e):
             raise
         _checks.hsdp_loss_collectives(comm_dtype, group)
-        return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD)))
+        return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD), group))
     grads = each(lambda a, g: _across_groups(g, a, group, comm_dtype), axes, grads)
     return grads, ms, losses, metrics
 

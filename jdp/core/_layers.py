@@ -1,0 +1,335 @@
+"""FSDP's layers: a model whose layers are unrolled gathers one layer's parameters at a time.
+
+Under `shard_params` the parameters enter the step split (`_grads.mapped_grads`) and the
+compiler gathers each where it is used. In a scanned model that is inside the loop, one layer
+at a time; in an unrolled model nothing ties a layer's gather to the layer, and XLA schedules
+every gather at the start of the step (and again every re-gather of the backward pass), so
+the whole model is live at once. Here each layer (a flax linen submodule found by a policy, an
+NNX submodule, or a function marked with `layer`) runs as one `jax.custom_vjp`:
+
+- forward: the layer's split parameters are made to depend on the layer's input (a scalar
+  drawn from it, all-reduced so that it is the same on every device, folded in as an exact
+  zero), then gathered, so no gather can run before the layer before it has produced its
+  output; only the split parameters and the input are saved for the backward pass;
+- backward: the parameters are gathered again, after the layer's output cotangent has
+  arrived (the same kind of dependency), the layer's gradient is reduced over the devices and
+  split again at once, and the cotangent passed to the layer before carries an exact zero
+  drawn from that reduced gradient, so that each layer's reduction completes before the next
+  one starts and the compiler cannot merge them into one at the end of the step.
+
+The dependencies are data, not `lax.optimization_barrier`: XLA:CPU removes barriers before it
+schedules. Each costs one all-reduce of a scalar per layer and direction.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdp.core import _mesh, _zero
+
+
+class _Gathering(NamedTuple):
+    """What a layer needs to gather inside the step's device map: the vmap axes its parameters
+    are unbatched over (the devices that hold one copy), the HSDP group (None: all), and the
+    ids of the parameter values the loss was given (`is_given`)."""
+    axes: Any
+    group: int | None
+    ids: frozenset = frozenset()
+
+
+_ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
+    "jdp_fsdp_gathering", default=None)
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jdp_fsdp_in_layer",
+                                                               default=False)
+
+
+def layer(fn: Callable) -> Callable:
+    """Mark `fn(params, *args)` as one layer of a model written as plain functions.
+
+    Under `jdp.train_step(..., shard_params=...)` the layer's parameters (the `params`
+    subtree it is given) are gathered just before it runs and again in the backward pass, and
+    their gradient is reduced as soon as the layer's backward pass is done, so an unrolled
+    model holds one layer whole at a time. Anywhere else (one device, replicated, ZeRO, an
+    evaluation) it is `fn` itself.
+
+    Args:
+      fn: a function of the layer's parameters and its inputs (arrays or pytrees of them).
+
+    Returns:
+      A function with `fn`'s signature.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> dense = layer(lambda p, x: jnp.tanh(x @ p["w"]))
+        >>> def model(params, x):
+        ...     for p in params["layers"]:
+        ...         x = dense(p, x)
+        ...     return x
+        >>> model({"layers": [{"w": jnp.eye(2)}] * 3}, jnp.ones((1, 2))).shape
+        (1, 2)
+    """
+    @functools.wraps(fn)
+    def call(params, *args):
+        where = _ACTIVE.get()
+        if where is None or _INSIDE.get():
+            return fn(params, *args)
+        return gathered_call(fn, params, args, where)
+    return call
+
+
+def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> Any:
+    """`fn(params, *args)` with `params` gathered just in time, forward and backward."""
+    arrays, rebuild = _split_static(args)
+    pure, consts = _hoisted(_inside(lambda p, a: fn(p, *rebuild(a))), params, arrays)
+
+    @jax.custom_vjp
+    def run(p, a, c):
+        return pure(_gather(p, a, where), a, *c)
+
+    def fwd(p, a, c):
+        return run(p, a, c), (p, a, c)
+
+    def bwd(saved, g):
+        p, a, c = saved
+        full = _gather(p, g, where)
+        _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
+        dp, da, dc = vjp(g)
+        dp = jax.tree.map(lambda d: _reduced(d, where), dp)
+        return dp, _carrying(da, jax.tree.leaves(dp)), dc
+
+    run.defvjp(fwd, bwd)
+    return run(params, arrays, consts)
+
+
+def _reduced(d: jax.Array, where: _Gathering) -> jax.Array:
+    """One parameter's gradient summed over the devices that share its copy, split again as
+    stored (an integer parameter's zero cotangent stays as it is)."""
+    if d.dtype == jax.dtypes.float0:
+        return d
+    return _split(lax.psum(d, where.axes), where)
+
+
+def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
+    """`fn` as a function of `example`'s values and of every value it closes over (`consts`):
+    `(pure, consts)` with `pure(*example, *consts) == fn(*example)`. Unlike
+    `jax.closure_convert`, every closed-over value is hoisted, random keys and integers too:
+    the backward pass is traced after the device map, where a value of the map's trace that
+    `fn` closed over could no longer be used."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+    out_tree = jax.tree.structure(shape)
+    n = len(jax.tree.leaves(example))
+
+    def pure(*args):
+        flat = jax.tree.leaves(args[:len(example)])
+        out = jax.core.eval_jaxpr(closed.jaxpr, list(args[len(example):]), *flat[:n])
+        return jax.tree.unflatten(out_tree, out)
+    return pure, list(closed.consts)
+
+
+def _inside(fn: Callable) -> Callable:
+    """`fn` run with the layer flag set: a layer inside a layer is not gathered again."""
+    def run(*args):
+        token = _INSIDE.set(True)
+        try:
+            return fn(*args)
+        finally:
+            _INSIDE.reset(token)
+    return run
+
+
+def _split_static(args: Any) -> tuple[list, Callable]:
+    """The array leaves of `args`, and a function that puts arrays back among the rest (Python
+    values such as `deterministic=True`, which stay what they are)."""
+    leaves, tree = jax.tree.flatten(args)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
+
+    def rebuild(arrays):
+        out = list(leaves)
+        for i, x in zip(where, arrays, strict=True):
+            out[i] = x
+        return jax.tree.unflatten(tree, out)
+    return [leaves[i] for i in where], rebuild
+
+
+def _gather(params: Any, after: Any, where: _Gathering) -> Any:
+    """`params` whole on every device, gathered only once `after` (any arrays) exists."""
+    zero = _zero_after(after, where)
+    replicated = (_mesh.replicated() if where.group is None
+                  else jax.sharding.NamedSharding(_mesh.group_mesh(where.group),
+                                                  jax.sharding.PartitionSpec()))
+
+    def one(p):
+        if not jnp.issubdtype(p.dtype, jnp.floating) or not p.ndim:
+            return p
+        p = _split(p + zero.astype(p.dtype), where) if zero is not None else p
+        return lax.with_sharding_constraint(p, replicated)
+    return jax.tree.map(one, params)
+
+
+def _zero_after(after: Any, where: _Gathering) -> jax.Array | None:
+    """An exact float32 zero that the compiler can only compute once all of `after` exists:
+    the sign bits of its leaves' first elements (0 or 1), the largest, over the devices too
+    (so that it is the same on each, as the parameters are), times 0.0 — a finite number
+    times zero, which XLA does not fold away (it cannot know the value is finite)."""
+    leaves = [x for x in jax.tree.leaves(after) if hasattr(x, "dtype") and jnp.size(x)
+              and jnp.issubdtype(x.dtype, jnp.number)]
+    if not leaves:
+        return None
+    bits = functools.reduce(jnp.maximum, [_sign_bit(x) for x in leaves])
+    return _sign_zero(lax.pmax(bits, where.axes))
+
+
+def _sign_bit(x: jax.Array) -> jax.Array:
+    first = jnp.ravel(x)[0]
+    first = first.astype(jnp.float32) if first.dtype != jnp.float32 else first
+    return lax.shift_right_logical(lax.bitcast_convert_type(first, jnp.uint32), jnp.uint32(31))
+
+
+def _sign_zero(bit: jax.Array) -> jax.Array:
+    return bit.astype(jnp.float32) * 0.0
+
+
+def _carrying(cotangents: Any, reduced: list) -> Any:
+    """The input cotangents plus an exact zero drawn from every reduced gradient (its maximum,
+    read locally from the split result): the layer before cannot start its backward pass, and
+    its reduction cannot be merged with this one, until this layer's gradient is reduced."""
+    floats = [d for d in reduced if d.dtype != jax.dtypes.float0 and d.size
+              and jnp.issubdtype(d.dtype, jnp.floating)]
+    if not floats:
+        return cotangents
+    zero = sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats)
+
+    def one(c):
+        if not hasattr(c, "dtype") or not jnp.issubdtype(c.dtype, jnp.floating):
+            return c
+        return c + zero.astype(c.dtype)
+    return jax.tree.map(one, cotangents)
+
+
+def _split(x: jax.Array, where: _Gathering) -> jax.Array:
+    """`x` split as FSDP stores a parameter of its shape (`_zero.shard_axis`)."""
+    return lax.with_sharding_constraint(x, _zero.split_on(_zero.shard_axis(x.shape),
+                                                          where.group))
+
+
+def is_given(params: Any) -> bool:
+    """Are `params` some of the step's own parameters, as the loss was given them? Not when
+    they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`: those gather per
+    layer already) or values the loss computed from them."""
+    where = _ACTIVE.get()
+    leaves = jax.tree.leaves(params)
+    return where is not None and bool(leaves) and all(id(x) in where.ids for x in leaves)
+
+
+@contextlib.contextmanager
+def gathering(axes: Any, group: int | None, params: Any = None):
+    """While the step traces the loss on `params`: `layer`s (and the layers a policy finds)
+    gather."""
+    ids = frozenset(id(x) for x in jax.tree.leaves(params))
+    token = _ACTIVE.set(_Gathering(axes, group, ids))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+class Policy(NamedTuple):
+    """Which submodules of a flax model are its layers under FSDP (`layer_policy`)."""
+    modules: tuple[type, ...] | None = None
+    min_params: int | None = None
+    enabled: bool = True
+
+
+_POLICY = "_jdp_layer_policy"
+
+
+def layer_policy(loss_fn: Callable, *, modules: Any = None, min_params: int | None = None,
+                 enabled: bool = True) -> Callable:
+    """`loss_fn` with the rule FSDP uses to find the layers of its flax model, in place of the
+    default (the repeated submodules nearest the top: the blocks of a Python loop).
+
+    Under `shard_params` each layer found is gathered on its own, just before it runs and
+    again in the backward pass; what no layer holds is gathered where the compiler puts it.
+
+    Args:
+      loss_fn: the loss given to `jdp.train_step`.
+      modules: a module class or a tuple of them: every outermost submodule of one of these
+        classes is a layer (as FSDP2's `ModuleWrapPolicy`).
+      min_params: every submodule holding at least this many parameters not already in a
+        smaller layer is a layer, found from the innermost out (as FSDP2's size-based policy).
+      enabled: False: no layer is gathered on its own (the compiler places every gather).
+
+    Returns:
+      `loss_fn`, to give to `jdp.train_step`.
+
+    Example:
+        >>> loss = layer_policy(lambda params, batch: 0.0, min_params=1_000_000)
+    """
+    modules = (modules,) if isinstance(modules, type) else modules
+    if modules is not None and not (isinstance(modules, tuple) and modules
+                                    and all(isinstance(m, type) for m in modules)):
+        raise TypeError(f"layer_policy(modules={modules!r}): expected a module class or a "
+                        "tuple of them, e.g. modules=nn.Dense")
+    if min_params is not None and (isinstance(min_params, bool) or not isinstance(
+            min_params, int) or min_params < 1):
+        raise ValueError(f"layer_policy(min_params={min_params!r}): expected an int >= 1, a "
+                         "parameter count")
+    if modules is not None and min_params is not None:
+        raise ValueError("layer_policy: give modules= or min_params=, not both")
+
+    @functools.wraps(loss_fn)
+    def loss(*args, **kwargs):
+        return loss_fn(*args, **kwargs)
+    setattr(loss, _POLICY, Policy(modules, min_params, bool(enabled)))
+    return loss
+
+
+def policy_of(loss_fn: Callable) -> Policy:
+    """The layer policy `loss_fn` carries (`layer_policy`), else the default."""
+    return getattr(loss_fn, _POLICY, Policy())
+
+
+def choose(found: dict, policy: Policy) -> frozenset:
+    """The paths of the layers among `found` ({module path: (class, parameter count)}, the
+    submodules holding parameters that the model called) under `policy`."""
+    if not policy.enabled:
+        return frozenset()
+    if policy.min_params is not None:
+        return _by_size(found, policy.min_params)
+    if policy.modules is not None:
+        picked = {p for p, (cls, _) in found.items() if p and issubclass(cls, policy.modules)}
+        return frozenset(p for p in picked if not any(p[:i] in picked for i in range(len(p))))
+    return _repeated(found)
+
+
+def _repeated(found: dict) -> frozenset:
+    """The default: the submodules of a class that occurs twice or more at one depth, at the
+    smallest depth where one does (a Transformer's blocks, an MLP's layers)."""
+    groups: dict = {}
+    for path, (cls, _) in found.items():
+        if path:
+            groups.setdefault((cls, len(path)), []).append(path)
+    repeated = [(depth, paths) for (_, depth), paths in groups.items() if len(paths) >= 2]
+    if not repeated:
+        return frozenset()
+    top = min(depth for depth, _ in repeated)
+    return frozenset(p for depth, paths in repeated if depth == top for p in paths)
+
+
+def _by_size(found: dict, least: int) -> frozenset:
+    """Innermost first: a submodule is a layer when the parameters it holds outside the layers
+    already chosen inside it number at least `least` (the root is never one)."""
+    chosen: set = set()
+    for path in sorted(found, key=len, reverse=True):
+        below = [c for c in chosen if c[:len(path)] == path]
+        outer = [c for c in below if not any(c[:i] in chosen for i in range(len(path) + 1,
+                                                                               len(c)))]
+        if path and found[path][1] - sum(found[c][1] for c in outer) >= least:
+            chosen.add(path)
+    return frozenset(chosen)

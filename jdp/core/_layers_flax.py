@@ -1,0 +1,222 @@
+"""The layers of flax models under FSDP, found and gathered with no change to the model.
+
+While the step traces the loss, a first, abstract pass (`jax.eval_shape`) records the
+submodules that hold parameters and the policy (`_layers.choose`) picks the layers among them;
+in the real pass each layer's call runs through `_layers.gathered_call` as a pure function of
+its parameters.
+
+- linen: `flax.linen.intercept_methods` sees every submodule's `__call__`; a layer is known by
+  its module path, and runs as the module applied on its own, its other collections as they
+  are.
+- NNX has no method interceptor, so the `__call__` of every NNX module class is wrapped for
+  the trace (and restored after): a call is known by its place in the call tree (a path of
+  call indices; the model's own call is `()`), and a layer runs on its `nnx.Param`s through
+  `nnx.split` / `nnx.merge`, its other state (BatchNorm statistics, random counters) going in
+  and coming back out as it would unwrapped.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jdp.core import _layers
+
+
+def find(loss_fn: Callable, trace: Callable[[], Any]) -> tuple[frozenset, frozenset]:
+    """The layers (linen module paths, NNX call paths) of the flax model(s) that `trace()`
+    calls, under `loss_fn`'s policy (`_layers.layer_policy`): `trace` runs abstractly once."""
+    policy = _layers.policy_of(loss_fn)
+    linen, nnx = "flax.linen" in sys.modules, "flax.nnx" in sys.modules
+    if not policy.enabled or not (linen or nnx):
+        return frozenset(), frozenset()
+    found_linen: dict = {}
+    found_nnx: dict = {}
+    with contextlib.ExitStack() as stack:
+        if linen:
+            stack.enter_context(_linen_recording(found_linen))
+        if nnx:
+            stack.enter_context(_nnx_recording(found_nnx))
+        jax.eval_shape(trace)
+    return _layers.choose(found_linen, policy), _layers.choose(found_nnx, policy)
+
+
+@contextlib.contextmanager
+def gathering(found: tuple[frozenset, frozenset]):
+    """While the loss is traced: the layers `find` found gather their parameters on their
+    own."""
+    with contextlib.ExitStack() as stack:
+        if found[0]:
+            stack.enter_context(_linen_gathering(found[0]))
+        if found[1]:
+            stack.enter_context(_nnx_gathering(found[1]))
+        yield
+
+
+@contextlib.contextmanager
+def _linen_recording(found: dict):
+    """Records {module path: (class, parameter count)} of the linen submodules called."""
+    import flax.linen as nn
+
+    def record(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name == "__call__" and module.scope is not None:
+            params = module.variables.get("params", {})
+            count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+            if count and _layers.is_given(params):
+                found[module.path] = (type(module), count)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        yield
+
+
+@contextlib.contextmanager
+def _linen_gathering(paths: frozenset):
+    """The linen submodules at `paths` gather their parameters on their own."""
+    import flax.linen as nn
+
+    def gather(next_fun, args, kwargs, context):
+        where, module = _layers._ACTIVE.get(), context.module
+        if (where is None or _layers._INSIDE.get() or context.method_name != "__call__"
+                or module.scope is None or module.path not in paths):
+            return next_fun(*args, **kwargs)
+        out = _linen_call(module, args, kwargs, where)
+        return next_fun(*args, **kwargs) if out is _AS_IS else out
+
+    with nn.intercept_methods(gather):
+        yield
+
+
+_AS_IS = object()
+
+
+def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
+    """`module(*args, **kwargs)` with its parameters gathered on their own; `_AS_IS` when the
+    model is applied with a collection it may write (BatchNorm statistics in training, sown
+    values): then it runs as it is, gathered where the compiler puts it."""
+    variables = dict(module.variables)
+    params = variables.pop("params")
+    # The collections this `apply` may write (flax's `Scope.mutable` filter): any, and the
+    # layer's writes (even to a collection that does not exist yet, as `sow` makes) would have
+    # to come back out of the layer applied on its own.
+    if getattr(module.scope, "mutable", False) is not False or module.is_initializing():
+        return _AS_IS
+    # The module's own random streams (flax's `Scope.rngs`: the key and the path folded into
+    # it lazily), so that the layer applied on its own draws what it draws in place; flax's
+    # public `apply` takes only keys, so the layer is bound to a root `Scope` made with them,
+    # as `Module.apply` binds a model (`clone(parent=scope, _deep_clone=True)`).
+    from flax.core import Scope
+
+    rngs = dict(getattr(module.scope, "rngs", {}))
+
+    def apply(p, call_args):
+        a, k = call_args
+        scope = Scope({"params": p, **variables}, rngs=rngs, mutable=False)
+        return module.clone(parent=scope, _deep_clone=True)(*a, **k)
+    return _layers.gathered_call(apply, params, ((args, kwargs),), where)
+
+
+class _Calls:
+    """The call tree of one trace: the path of the call running now, and each path's count
+    of calls made under it so far."""
+
+    def __init__(self, on_call: Callable):
+        self.path: tuple = ()
+        self.counts: dict = {}
+        self.depth = 0
+        self.current: Any = None   # the module whose call runs now
+        self.on_call = on_call
+
+
+@contextlib.contextmanager
+def _nnx_recording(found: dict):
+    """Records {call path: (class, parameter count)} of the NNX modules called."""
+    from flax import nnx
+
+    def record(module, path, call, args, kwargs):
+        params = nnx.state(module, nnx.Param)
+        count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        if count and _layers.is_given(params):
+            found[path] = (type(module), count)
+        return call(module, *args, **kwargs)
+
+    with _wrapped(_Calls(record)):
+        yield
+
+
+@contextlib.contextmanager
+def _nnx_gathering(paths: frozenset):
+    """The NNX modules called at `paths` gather their parameters on their own."""
+
+    def gather(module, path, call, args, kwargs):
+        where = _layers._ACTIVE.get()
+        if where is None or path not in paths:
+            return call(module, *args, **kwargs)
+        return _nnx_call(module, call, args, kwargs, where)
+
+    with _wrapped(_Calls(gather)):
+        yield
+
+
+@contextlib.contextmanager
+def _wrapped(calls: _Calls):
+    """Every NNX module class's own `__call__` wrapped to report to `calls`, for the duration
+    (NNX offers no interceptor; the classes are restored on exit)."""
+    from flax import nnx
+
+    classes, seen = [nnx.Module], set()
+    while classes:
+        cls = classes.pop()
+        if cls not in seen:
+            seen.add(cls)
+            classes.extend(cls.__subclasses__())
+    own = [(cls, cls.__dict__["__call__"]) for cls in seen if "__call__" in cls.__dict__]
+    for cls, fn in own:
+        setattr(cls, "__call__", _reporting(fn, calls))
+    try:
+        yield
+    finally:
+        for cls, fn in own:
+            setattr(cls, "__call__", fn)
+
+
+def _reporting(fn: Callable, calls: _Calls) -> Callable:
+    """`fn` (a module's `__call__`) reporting its call and place to `calls`; the calls inside
+    a layer, or inside a `super().__call__`, are not reported."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        if _layers._INSIDE.get() or calls.current is self:
+            return fn(self, *args, **kwargs)
+        parent, path = calls.path, ()
+        if calls.depth:
+            path = parent + (calls.counts.get(parent, 0),)
+            calls.counts[parent] = path[-1] + 1
+        outer = calls.current
+        calls.path, calls.current, calls.depth = path, self, calls.depth + 1
+        try:
+            return calls.on_call(self, path, fn, args, kwargs)
+        finally:
+            calls.path, calls.current, calls.depth = parent, outer, calls.depth - 1
+    return call
+
+
+def _nnx_call(module: Any, call: Callable, args: tuple, kwargs: dict, where: Any) -> Any:
+    """`call(module, *args, **kwargs)` (the class's own `__call__`) with the module's
+    `nnx.Param`s gathered on their own; its other state threaded through and written back."""
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def pure(p, call_args, state):
+        inner = nnx.merge(graphdef, p, state)
+        out = call(inner, *call_args[0], **call_args[1])
+        return out, nnx.state(inner, nnx.Not(nnx.Param))
+
+    out, new_rest = _layers.gathered_call(pure, params, ((args, kwargs), rest), where)
+    nnx.update(module, new_rest)
+    return out

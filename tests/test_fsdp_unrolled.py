@@ -1,0 +1,483 @@
+"""FSDP on models whose layers are unrolled (a Python loop): each layer's parameters gathered on
+their own, with no change to the model (flax linen, NNX, and lm1b's Transformer) or with one
+`layer` marker (plain functions of a params dict).
+
+Each model is built twice in its test, unrolled and scanned (`lax.scan` / `nn.scan` /
+`nnx.scan`, each layer under remat): the unrolled form's compiled step peaks (per device,
+`memory_analysis()`: arguments + outputs - aliases + temporaries) within 1.25x of the scanned
+form's under jdp's FSDP, every all-gather in its compiled step holds at most one layer, and 3
+steps equal single-device optax on the global batch."""
+import importlib.util
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jdp
+from jdp.core._layers import choose, layer, layer_policy, policy_of
+
+N, L, D, PER = 8, 16, 256, 8   # devices, layers, width, examples per device
+TX = optax.sgd(0.05, momentum=0.9)
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4}
+
+
+def peak_mib(compiled) -> float:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes) / 2**20
+
+
+def all_gather_bytes(compiled) -> list:
+    """The result bytes of each all-gather in the compiled step's HLO."""
+    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(", compiled.as_text())
+    return [_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+            for t, dims in found]
+
+
+def batches(rows, width, steps=3):
+    rng = np.random.default_rng(7)
+    return [{k: rng.standard_normal((rows, width)).astype(np.float32) for k in "xy"}
+            for _ in range(steps)]
+
+
+def mse(model):
+    return lambda params, batch: jnp.mean((model(params, batch["x"]) - batch["y"]) ** 2)
+
+
+def single_device(loss, params, data):
+    opt_state = TX.init(params)
+    for b in data:
+        updates, opt_state = TX.update(jax.grad(loss)(params, b), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def fsdp(loss, params, data, shard_params=True):
+    """jdp's FSDP step on `params`: (its compiled step, the parameters after the steps)."""
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX),
+                          shard_params=shard_params)
+    step = jdp.train_step(loss, shard_params=shard_params)
+    compiled = step.lower(state, jdp.shard(data[0])).compile()
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    return compiled, jdp.unshard(state).params
+
+
+def assert_tree_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def check_unrolled_against_scanned(unrolled, scanned, layer_bytes, data):
+    """(loss, params) pairs of the two forms: peaks, gathers and numbers as the module says."""
+    (loss, params), (scan_loss, scan_params) = unrolled, scanned
+    compiled, trained = fsdp(loss, params, data)
+    scan_compiled, _ = fsdp(scan_loss, scan_params, data)
+    peak, scan_peak = peak_mib(compiled), peak_mib(scan_compiled)
+    assert peak <= 1.25 * scan_peak, (peak, scan_peak)
+    gathers = all_gather_bytes(compiled)
+    assert gathers and max(gathers) <= layer_bytes, (max(gathers), layer_bytes)
+    assert_tree_close(trained, single_device(loss, params, data))
+    return peak, scan_peak
+
+
+def mlp_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"w": (rng.standard_normal((D, D)) / D ** 0.5).astype(np.float32),
+             "b": (0.1 * rng.standard_normal(D)).astype(np.float32)} for _ in range(L)]
+
+
+def dense(p, h):
+    return jnp.tanh(h @ p["w"] + p["b"])
+
+
+def stacked(params):
+    return jax.tree.map(lambda *xs: np.stack(xs), *params)
+
+
+def scanned_mlp(params, x):
+    return lax.scan(jax.checkpoint(lambda h, p: (dense(p, h), None)), x, params)[0]
+
+
+LAYER_BYTES = 4 * (D * D + D)
+
+
+def test_a_plain_function_model_with_marked_layers_gathers_one_layer_at_a_time():
+    marked = layer(dense)
+
+    def unrolled(params, x):
+        for p in params:
+            x = marked(p, x)
+        return x
+
+    params = mlp_params()
+    check_unrolled_against_scanned((mse(unrolled), params), (mse(scanned_mlp), stacked(params)),
+                                   LAYER_BYTES, batches(N * PER, D))
+
+
+def test_a_marked_layer_outside_a_sharded_step_is_the_function_itself():
+    p, x = mlp_params()[0], np.ones((2, D), np.float32)
+    np.testing.assert_array_equal(np.asarray(layer(dense)(p, x)), np.asarray(dense(p, x)))
+
+
+def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change():
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return jnp.tanh(nn.Dense(D)(h))
+
+    class Unrolled(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(L):
+                x = Block()(x)
+            return x
+
+    class ScanBlock(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return Block()(h), None
+
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0},
+                           split_rngs={"params": True}, length=L)()(x, None)[0]
+
+    forms = []
+    for net in (Unrolled(), Scanned()):
+        params = net.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
+        forms.append((mse(lambda p, x, net=net: net.apply({"params": p}, x)), params))
+    check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
+    scan_loss, scan_params = forms[1]     # a scanned model's step: as without any layer
+    as_is, _ = fsdp(scan_loss, scan_params, batches(N * PER, D, steps=1))
+    off, _ = fsdp(layer_policy(scan_loss, enabled=False), scan_params,
+                  batches(N * PER, D, steps=1))
+    assert (all_gather_bytes(as_is), peak_mib(as_is)) == (all_gather_bytes(off), peak_mib(off))
+
+
+def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(D, D, rngs=rngs)
+
+        def __call__(self, h):
+            return jnp.tanh(self.dense(h))
+
+    class Unrolled(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(L)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    class Scanned(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=L)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+            self.blocks = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.remat
+            def run(h, block):
+                return block(h)
+            return run(x, self.blocks)
+
+    forms = []
+    for cls in (Unrolled, Scanned):
+        graphdef, params = nnx.split(cls(nnx.Rngs(0)), nnx.Param)
+        forms.append((mse(lambda p, x, g=graphdef: nnx.merge(g, p)(x)), params))
+    check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
+
+
+def _lm1b_models():
+    """examples/flax_lm1b/models.py, loaded from its path (examples is not a package)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "flax_lm1b", "models.py")
+    spec = importlib.util.spec_from_file_location("lm1b_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def scanned_lm(models):
+    """The same TransformerLM with its layers under `nn.scan` (each under remat)."""
+    import flax.linen as nn
+
+    class ScanBlock(nn.Module):
+        config: models.TransformerConfig
+
+        @nn.compact
+        def __call__(self, y, mask):
+            return models.EncoderDecoder1DBlock(self.config)(y, mask), None
+
+    class Decoder(nn.Module):
+        config: models.TransformerConfig
+
+        @nn.compact
+        def __call__(self, inputs, mask):
+            c = self.config
+            y = nn.Embed(c.output_vocab_size, c.emb_dim,
+                         embedding_init=nn.initializers.normal(1.0))(models.shift_right(inputs))
+            y = models.AddPositionEmbs(config=c, name="posembed_output")(y)
+            y = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0},
+                        split_rngs={"params": True}, in_axes=nn.broadcast,
+                        length=c.num_layers)(c)(y, mask)[0]
+            y = nn.LayerNorm(name="encoderdecoder_norm")(y)
+            return nn.Dense(c.output_vocab_size, kernel_init=c.kernel_init,
+                            bias_init=c.bias_init, name="logitdense")(y)
+
+    class LM(nn.Module):
+        config: models.TransformerConfig
+
+        @nn.compact
+        def __call__(self, inputs):
+            mask = models.decoder_mask(inputs, self.config.dtype)
+            return Decoder(self.config, name="decoder")(inputs, mask)
+    return LM
+
+
+def test_flax_lm1b_transformer_gathers_one_block_at_a_time_with_no_change():
+    models = _lm1b_models()
+    config = models.TransformerConfig(vocab_size=256, output_vocab_size=256, emb_dim=128,
+                                      qkv_dim=128, mlp_dim=512, num_heads=4, num_layers=4,
+                                      max_len=32, deterministic=True)
+    rng = np.random.default_rng(3)
+    data = [{"tokens": rng.integers(1, 256, (N * 2, 32)).astype(np.int32)} for _ in range(3)]
+    forms = []
+    for net in (models.TransformerLM(config), scanned_lm(models)(config)):
+        params = net.init(jax.random.key(0), jnp.ones((1, 32), jnp.int32))["params"]
+
+        def loss(p, b, net=net):
+            logits = net.apply({"params": p}, b["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b["tokens"]).mean()
+        forms.append((loss, params))
+    block = forms[0][1]["decoder"]["encoderdecoderblock_0"]
+    block_bytes = sum(4 * np.size(x) for x in jax.tree.leaves(block))
+    check_unrolled_against_scanned(*forms, block_bytes, data)
+
+
+def test_hsdp_groups_gather_marked_layers_within_the_group_and_train_exactly():
+    marked = layer(dense)
+
+    def unrolled(params, x):
+        for p in params:
+            x = marked(p, x)
+        return x
+
+    params, data = mlp_params(), batches(N * PER, D)
+    compiled, trained = fsdp(mse(unrolled), params, data, shard_params=4)
+    assert max(all_gather_bytes(compiled)) <= LAYER_BYTES
+    assert_tree_close(trained, single_device(mse(unrolled), params, data))
+
+
+def test_policies_pick_the_repeated_blocks_a_class_or_a_size():
+    class Block:
+        pass
+
+    class Dense:
+        pass
+
+    found = {("blocks_0",): (Block, 300), ("blocks_1",): (Block, 300),
+             ("blocks_0", "Dense_0"): (Dense, 200), ("blocks_1", "Dense_0"): (Dense, 200),
+             ("embed",): (Dense, 1000)}
+    def picked(**policy):
+        return choose(found, policy_of(layer_policy(lambda p, b: 0.0, **policy)))
+
+    assert picked() == {("blocks_0",), ("blocks_1",)}         # repeated, nearest the top
+    assert picked(modules=Dense) == {("blocks_0", "Dense_0"), ("blocks_1", "Dense_0"),
+                                     ("embed",)}
+    assert picked(min_params=400) == {("embed",)}
+    assert picked(min_params=250) == {("blocks_0",), ("blocks_1",), ("embed",)}
+    assert picked(min_params=150) == {("blocks_0", "Dense_0"), ("blocks_1", "Dense_0"),
+                                      ("embed",)}             # a block's 100 others: too few
+    assert picked(enabled=False) == frozenset()
+
+
+def test_an_unrolled_model_without_layers_is_gathered_as_before():
+    params = mlp_params()
+
+    def unrolled(params, x):
+        for p in params:
+            x = dense(p, x)
+        return x
+
+    compiled, trained = fsdp(mse(unrolled), params, batches(N * PER, D))
+    assert_tree_close(trained, single_device(mse(unrolled), params, batches(N * PER, D)))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"modules": "Dense"}, "modules='Dense'"),
+    ({"min_params": 0}, "min_params=0"),
+    ({"min_params": 10, "modules": int}, "not both"),
+])
+def test_a_bad_layer_policy_is_refused_naming_the_value(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        layer_policy(lambda p, b: 0.0, **kwargs)
+
+
+def test_a_linen_layer_draws_the_dropout_it_draws_in_place():
+    """Per device and step, the same keys as the model run without per-layer gathering."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return nn.Dropout(0.5, deterministic=False)(jnp.tanh(nn.Dense(64)(h)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(4):
+                x = Block()(x)
+            return x
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
+
+    def loss(p, b, rng):
+        return jnp.mean((net.apply({"params": p}, b["x"], rngs={"dropout": rng}) - b["y"]) ** 2)
+
+    trained = []
+    for each in (loss, layer_policy(loss, enabled=False)):
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX,
+                                                    rng=jax.random.key(3)), shard_params=True)
+        step = jdp.train_step(each, shard_params=True)
+        for b in batches(N * 4, 64):
+            state, _ = step(state, jdp.shard(b))
+        trained.append(jdp.unshard(state).params)
+    assert_tree_close(*trained)
+
+
+def test_the_unrolled_fsdp_benchmark_measures_every_mode():
+    """benchmarks/fsdp_unrolled.py at a toy size: AdamW's state is twice the parameters, so
+    replicated holds 3 x 4 bytes per parameter at rest (and Adam's int32 count) and FSDP about
+    an eighth of it."""
+    from benchmarks import fsdp_unrolled
+
+    found = fsdp_unrolled.measure(layers=2, width=32, steps=1)
+    assert len(found) == 5
+    replicated = found["replicated"]
+    assert replicated["rest"] == 12 * replicated["params"] + 4
+    per_layer = found["FSDP, one layer at a time (default)"]
+    assert per_layer["rest"] <= replicated["rest"] / 8 * 1.1
+    assert all(f["peak"] > 0 and f["ms"] > 0 for f in found.values())
+
+
+def test_an_nnx_layer_with_batchnorm_and_dropout_threads_its_state_as_in_place():
+    """Statistics and random counters go into each gathered layer and come back out: the same
+    numbers as the model run without per-layer gathering."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(32, 32, rngs=rngs)
+            self.norm = nnx.BatchNorm(32, rngs=rngs)
+            self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+        def __call__(self, h):
+            return self.drop(jnp.tanh(self.norm(self.dense(h))))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(3)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+
+    def loss(p, b, model_state):
+        model = nnx.merge(graphdef, p, model_state)
+        out = model(b["x"])
+        return jnp.mean((out - b["y"]) ** 2), nnx.state(model, nnx.Not(nnx.Param))
+
+    trained = []
+    for each in (loss, layer_policy(loss, enabled=False)):
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX,
+                                                    model_state=rest), shard_params=True)
+        step = jdp.train_step(each, shard_params=True, model_state_sync=None)
+        for b in batches(N * 4, 32):
+            state, _ = step(state, jdp.shard(b))
+        stats = [x for x in jax.tree.leaves(state.model_state)
+                 if jnp.issubdtype(x.dtype, jnp.floating)]
+        trained.append((jdp.unshard(state).params, stats))
+    assert_tree_close(*trained)
+
+
+def test_a_linen_model_applied_with_batchnorm_statistics_runs_as_before():
+    """A layer's writes to a collection (BatchNorm statistics in training) would have to come
+    back out of the layer applied on its own: such a model runs with the gathers left to the
+    compiler, to the same numbers."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return jnp.tanh(nn.BatchNorm(use_running_average=False)(nn.Dense(32)(h)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = Block()(x)
+            return x
+
+    net = Net()
+    variables = net.init(jax.random.key(0), jnp.zeros((1, 32)))
+
+    def loss(p, b, model_state):
+        out, new = net.apply({"params": p, **model_state}, b["x"], mutable=["batch_stats"])
+        return jnp.mean((out - b["y"]) ** 2), new
+
+    results, gathers = [], []
+    for each in (loss, layer_policy(loss, enabled=False)):
+        state = jdp.broadcast(jdp.TrainState.create(
+            apply_fn=None, params=variables["params"], tx=TX,
+            model_state={"batch_stats": variables["batch_stats"]}), shard_params=True)
+        step = jdp.train_step(each, shard_params=True)
+        compiled = step.lower(state, jdp.shard(batches(N * 4, 32)[0])).compile()
+        for b in batches(N * 4, 32):
+            state, _ = step(state, jdp.shard(b))
+        results.append((jdp.unshard(state).params, state.model_state))
+        gathers.append(sorted(all_gather_bytes(compiled)))
+    assert gathers[0] == gathers[1]
+    assert_tree_close(*results)
+
+
+def test_marked_layers_with_accumulation_and_clipping_train_exactly():
+    marked = layer(dense)
+
+    def unrolled(params, x):
+        for p in params:
+            x = marked(p, x)
+        return x
+
+    tx = optax.chain(optax.clip_by_global_norm(0.05), TX)
+    params, data, loss = mlp_params(), batches(N * PER, D), mse(unrolled)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=tx),
+                          shard_params=True)
+    step = jdp.train_step(loss, shard_params=True, accum_steps=2)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    want, opt_state = params, tx.init(params)
+    for b in data:
+        updates, opt_state = tx.update(jax.grad(loss)(want, b), opt_state, want)
+        want = optax.apply_updates(want, updates)
+    assert_tree_close(jdp.unshard(state).params, want)
