@@ -412,7 +412,7 @@ def test_an_nnx_layer_with_batchnorm_and_dropout_threads_its_state_as_in_place()
     for each in (loss, layer_policy(loss, enabled=False)):
         state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX,
                                                     model_state=rest), shard_params=True)
-        step = jdp.train_step(each, shard_params=True, model_state_sync=None)
+        step = jdp.train_step(each, shard_params=True, model_state_sync="mean")
         for b in batches(N * 4, 32):
             state, _ = step(state, jdp.shard(b))
         stats = [x for x in jax.tree.leaves(state.model_state)
