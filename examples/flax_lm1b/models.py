@@ -9,7 +9,8 @@ are a Python loop, as upstream: the model FSDP must gather one layer at a time w
 to it (tests/test_fsdp_unrolled.py, benchmarks/fsdp_unrolled.py).
 """
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp

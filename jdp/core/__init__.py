@@ -4,23 +4,24 @@ The state is placed with `broadcast` (replicated, or ZeRO with the optimizer sta
 batches with `shard`; `train_step` and `eval_step` run one device's function on every device
 of every process as `jax.jit` of `jax.shard_map` over `mesh()`, with `lax.pmean` inside.
 
-For jdp's other packages, not re-exported by jdp: `layouts`, the interface an adapter (the pmap
-form) plugs its layout into; and what the pmap form, the Loader and the Checkpointer build on:
-the per-device step functions, the step's dispatch, the option and leaf checks, placement, and
-ZeRO's records.
+For jdp's other packages, not re-exported by jdp, each under its own name: `layouts`, the
+interface an adapter (the pmap form) plugs its layout into; and what the pmap form, the Loader
+and the Checkpointer build on: the per-device step functions, the step's dispatch, the option
+and leaf checks, placement, ZeRO's records and the bound on own steps in flight
+(`StepWindow`).
 """
 from jdp.core import layouts
 from jdp.core._checks import (
     batch_leaves,
     bool_options,
+    leaf_name,
     not_donated,
     one_size,
     train_options,
     trainable,
 )
-from jdp.core._checks import name as leaf_name
 from jdp.core._dispatch import make_step, stop_values
-from jdp.core._inflight import Window as StepWindow
+from jdp.core._inflight import StepWindow
 from jdp.core._mesh import AXIS, batch_sharded, mesh, place, replicated
 from jdp.core._state import TrainState, broadcast, divisible_rows, shard, unshard
 from jdp.core._step import (

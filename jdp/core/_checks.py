@@ -83,7 +83,7 @@ def same_model_state(new_ms: Any, field: str) -> None:
         # varies over (what its out_specs check reads); JAX has no function that returns it.
         varying = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ())
         if _mesh.AXIS in varying:
-            raise unsynced_model_state(field + name(path).replace("<root>", ""),
+            raise unsynced_model_state(field + leaf_name(path).replace("<root>", ""),
                                        "is computed from each device's batch with no "
                                        "collective over jdp.AXIS, so it may vary by device")
 
@@ -113,7 +113,7 @@ def trainable(params: Any) -> None:
     for path, x in leaves:
         dtype = (x.value if _zero.is_sharded(x) else x).dtype
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"parameter leaf {name(path)} has dtype {dtype}: jdp takes the "
+            raise ValueError(f"parameter leaf {leaf_name(path)} has dtype {dtype}: jdp takes the "
                              "gradient of every parameter, so they must be floating; keep "
                              "integer values out of params (e.g. in model_state, or as constants)")
 
@@ -129,7 +129,7 @@ def _is_float_dtype(dtype: Any) -> bool:
         return False
 
 
-def name(path) -> str:
+def leaf_name(path) -> str:
     """A tree path as users write it (`['params']['w']`), or <root>."""
     return jax.tree_util.keystr(path) or "<root>"
 
@@ -139,8 +139,8 @@ def not_donated(state: Any) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if isinstance(x, jax.Array) and x.is_deleted():
             raise RuntimeError(
-                f"state leaf {name(path)} was donated to an earlier step (its buffers now hold "
-                "that step's output): use the state the step returned, `state, metrics = "
+                f"state leaf {leaf_name(path)} was donated to an earlier step (its buffers now "
+                "hold that step's output): use the state the step returned, `state, metrics = "
                 "step(state, batch)`, or build the step with donate=False to keep old states")
 
 
@@ -153,14 +153,14 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
         raise ValueError(f"state {type(state).__name__} has no array leaves: pass the train "
                          "state, placed with jdp.broadcast(state)")
     if forms.tree_form(state, "jdp.train_step") == forms.PMAP:
-        raise ValueError(f"state leaf {name(leaves[0][0])} is not replicated on jdp.mesh(): place "
-                         "the state with jdp.broadcast(state) (it is in the pmap form, placed "
-                         "by jdp.pmap: jdp.pmap.unreplicate it first), or keep the form and "
-                         "use jdp.pmap.train_step")
+        raise ValueError(f"state leaf {leaf_name(leaves[0][0])} is not replicated on "
+                         "jdp.mesh(): place the state with jdp.broadcast(state) (it is in the "
+                         "pmap form, placed by jdp.pmap: jdp.pmap.unreplicate it first), or keep "
+                         "the form and use jdp.pmap.train_step")
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not (isinstance(x, jax.Array) and x.sharding.device_set == _mesh_devices()):
             raise ValueError(
-                f"state leaf {name(path)} is {_where(x)}, not a global array on jdp.mesh(): "
+                f"state leaf {leaf_name(path)} is {_where(x)}, not a global array on jdp.mesh(): "
                 "place the state with jdp.broadcast(state) (a state from jdp.replicate, the "
                 "pmap form, goes with jdp.pmap.train_step)")
     opt = getattr(state, "opt_state", None)
@@ -168,7 +168,7 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
     for path, x in leaves:
         whole = not _zero.is_sharded(x) and not any(x is y for y in opt_leaves)
         if whole and not x.sharding.is_fully_replicated:
-            raise ValueError(f"state leaf {name(path)} is not replicated on jdp.mesh(): place "
+            raise ValueError(f"state leaf {leaf_name(path)} is not replicated on jdp.mesh(): place "
                              "the state with jdp.broadcast(state) (a state from jdp.replicate, "
                              "the pmap form, goes with jdp.pmap.train_step)")
     if shard_optimizer is None:
@@ -266,9 +266,9 @@ def one_size(leaves: list, axis: int, what: str) -> int:
     size = jnp.shape(x0)[axis]
     for path, x in rest:
         if jnp.shape(x)[axis] != size:
-            raise ValueError(f"batch leaf {name(path)} has {jnp.shape(x)[axis]} examples{what} "
-                             f"but {name(first)} has {size}: every leaf needs the same "
-                             f"{'per-device batch' if what else 'batch size'}")
+            raise ValueError(f"batch leaf {leaf_name(path)} has {jnp.shape(x)[axis]} "
+                             f"examples{what} but {leaf_name(first)} has {size}: every leaf "
+                             f"needs the same {'per-device batch' if what else 'batch size'}")
     return size
 
 
@@ -279,17 +279,18 @@ def global_batch(tree: Any, accum_steps: int) -> None:
     for path, x in leaves:
         shape = jnp.shape(x)
         if isinstance(x, jax.Array) and x.ndim and not _on_mesh(x):
-            raise ValueError(f"batch leaf {name(path)} is {_where(x)}, not a global batch on "
+            raise ValueError(f"batch leaf {leaf_name(path)} is {_where(x)}, not a global batch on "
                              "jdp.mesh(): make batches with jdp.shard(rows) or jdp.data.Loader "
                              "(pmap-form batches [local_devices, ...] go with jdp.pmap.train_step)")
         if jax.process_count() > 1 and not isinstance(x, jax.Array):
-            raise ValueError(f"batch leaf {name(path)} is a host {type(x).__name__}: on "
+            raise ValueError(f"batch leaf {leaf_name(path)} is a host {type(x).__name__}: on "
                              f"{jax.process_count()} processes a batch must be global arrays; "
                              "make it with jdp.shard(rows) or jdp.data.Loader")
         if not shape or shape[0] % (n * accum_steps):
-            raise ValueError(f"batch leaf {name(path)} has shape {shape}: the global batch must "
-                             f"split evenly over {n} devices x accum_steps={accum_steps}; use a "
-                             f"global batch size that is a multiple of {n * accum_steps}")
+            raise ValueError(f"batch leaf {leaf_name(path)} has shape {shape}: the global "
+                             f"batch must split evenly over {n} devices x "
+                             f"accum_steps={accum_steps}; use a global batch size that is a "
+                             f"multiple of {n * accum_steps}")
     one_size(leaves, 0, "")
 
 

@@ -37,7 +37,7 @@ def jdp_step_called() -> None:
     _rank.current().in_flight.jdp_calls += 1
 
 
-class Window:
+class StepWindow:
     """Waits, as batches are handed out, for the arrays being computed `size` hand-outs back."""
 
     def __init__(self, size: int = SIZE):

@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -177,12 +178,12 @@ def _wrapped(calls: _Calls):
             classes.extend(cls.__subclasses__())
     own = [(cls, cls.__dict__["__call__"]) for cls in seen if "__call__" in cls.__dict__]
     for cls, fn in own:
-        setattr(cls, "__call__", _reporting(fn, calls))
+        cls.__call__ = _reporting(fn, calls)
     try:
         yield
     finally:
         for cls, fn in own:
-            setattr(cls, "__call__", fn)
+            cls.__call__ = fn
 
 
 def _reporting(fn: Callable, calls: _Calls) -> Callable:

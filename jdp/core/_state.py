@@ -150,7 +150,7 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
 
 
 _SHARD_SIGNATURES: set = set()   # batch signatures the processes agreed on (jdp.shard)
-_SHARDED = _inflight.Window()   # jdp.shard's recent batches (one per field when called per field)
+_SHARDED = _inflight.StepWindow()   # jdp.shard's recent batches (one per field, called per field)
 
 
 def _adapter(layout: Any) -> layouts.Layout:

@@ -8,13 +8,13 @@ from jdp.distributed._group import (
     AGREE_TIMEOUT_S,
     agree,
     barrier,
+    broadcast_for,
     broadcast_from_primary,
     is_primary,
     process_count,
     process_index,
     require_job,
 )
-from jdp.distributed._group import broadcast as broadcast_for
 from jdp.distributed._init import initialize, shutdown
 from jdp.distributed._log import get_logger, print0
 from jdp.distributed._node import devices_per_node, processes_per_node

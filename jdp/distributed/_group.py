@@ -91,10 +91,10 @@ def broadcast_from_primary(tree: Any) -> Any:
     first, and a difference raises ValueError on every process naming the leaf and the
     processes. A single process gets its own values back without communication.
     """
-    return broadcast(tree, "jdp.broadcast_from_primary")
+    return broadcast_for(tree, "jdp.broadcast_from_primary")
 
 
-def broadcast(tree: Any, who: str) -> Any:
+def broadcast_for(tree: Any, who: str) -> Any:
     """`broadcast_from_primary` for the jdp entry point `who` (named in its errors).
 
     The leaves travel as their raw bytes (one uint8 buffer), since the collective underneath
