@@ -10,6 +10,7 @@ scanned layer at a time). The per-device functions here (`device_train_step`,
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -69,8 +70,50 @@ def device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options)
     return (state, metrics), stop
 
 
-def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_optimizer,
-                       shard_params, compute_dtype, cast_batch, **options):
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What `jdp.train_step` was asked for, built and checked once (a bad value is a one-line
+    error when the step is made, not when it runs); the step's functions read it."""
+
+    loss_fn: Callable
+    has_aux: bool = False
+    grad_reduce: str = "mean"
+    accum_steps: int = 1
+    model_state_sync: str | None = "mean"
+    comm_dtype: Any = None
+    donate: bool = True
+    max_in_flight: int = 2
+    shard_optimizer: bool = False
+    shard_params: bool | int | str = False
+    compute_dtype: Any = None
+    cast_batch: bool = True
+
+    def __post_init__(self) -> None:
+        _checks.train_options(self.grad_reduce, self.accum_steps, self.model_state_sync,
+                              self.max_in_flight, self.comm_dtype)
+        _checks.dtype_option("compute_dtype", self.compute_dtype)
+        _checks.bool_options(has_aux=self.has_aux, donate=self.donate,
+                             shard_optimizer=self.shard_optimizer, cast_batch=self.cast_batch)
+        # np.int64(4) is taken as 4: the frozen field holds the value the checks return
+        object.__setattr__(self, "shard_params", _checks.shard_params_option(self.shard_params))
+        _checks.fsdp_comm_dtype(self.shard_params, self.comm_dtype, self.compute_dtype)
+
+    @property
+    def mean(self) -> bool:
+        return self.grad_reduce == "mean"
+
+    def loss_options(self) -> dict:
+        """The options the gradient functions (`jdp/core/_grads.py`) take."""
+        return {"loss_fn": self.loss_fn, "has_aux": self.has_aux,
+                "accum_steps": self.accum_steps, "model_state_sync": self.model_state_sync}
+
+    def agreed(self) -> dict:
+        """The options every process must have given alike (compared at the first call)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("loss_fn", "max_in_flight")}
+
+
+def _global_train_step(state, batch, stop, *, options: StepOptions):
     """The step at jit level: gradients per device inside `shard_map`, reduced there, then
     the optimizer update on global arrays outside it.
 
@@ -78,19 +121,19 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
     the way, and with `shard_optimizer` or `shard_params` it partitions the update over the
     devices (`jdp/core/_zero.py`).
     """
-    mean, sharded = grad_reduce == "mean", shard_optimizer or shard_params
+    o = options
+    mean, comm_dtype, sharded = o.mean, o.comm_dtype, o.shard_optimizer or o.shard_params
     master = _zero.logical_shapes(state.params)
-    if cast_batch:
-        batch = _zero.cast(batch, compute_dtype)
-    if shard_params:
-        return _fsdp_train_step(state, batch, stop, mean=mean, comm_dtype=comm_dtype,
-                                compute_dtype=compute_dtype, **options)
+    if o.cast_batch:
+        batch = _zero.cast(batch, o.compute_dtype)
+    if o.shard_params:
+        return _fsdp_train_step(state, batch, stop, o)
 
     def per_device(state, batch, stop):
-        params = _zero.cast(state.params, compute_dtype)
+        params = _zero.cast(state.params, o.compute_dtype)
         grads, field, new_ms, metrics = _grads.device_grads(
-            state.replace(params=params), batch, stop, **options)
-        if field and options["model_state_sync"] is None:
+            state.replace(params=params), batch, stop, **o.loss_options())
+        if field and o.model_state_sync is None:
             _checks.same_model_state(new_ms, field)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
         if sharded:
@@ -110,16 +153,17 @@ def _global_train_step(state, batch, stop, *, grad_reduce, comm_dtype, shard_opt
     return (state, metrics), stop
 
 
-def _fsdp_train_step(state, batch, stop, *, mean, comm_dtype, **options):
+def _fsdp_train_step(state, batch, stop, options: StepOptions):
     """FSDP's step, all at jit level: the devices' losses under `jax.vmap` over the stored
     (split) parameters, so the compiler gathers each layer where it is used
     (`_grads.mapped_grads`), then the update on the split state (`_zero.apply`)."""
     params, group = _zero.logical(state.params), _zero.params_group(state.params)
     grads, new_ms, metrics = _grads.mapped_grads(
-        state.replace(params=params), batch, stop, mean=mean, group=group,
-        split_axes=_zero.split_axes(state.params), comm_dtype=comm_dtype, **options)
+        state.replace(params=params), batch, stop, mean=options.mean, group=group,
+        split_axes=_zero.split_axes(state.params), comm_dtype=options.comm_dtype,
+        compute_dtype=options.compute_dtype, **options.loss_options())
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    state = _zero.apply(state, grads, comm_dtype)
+    state = _zero.apply(state, grads, options.comm_dtype)
     field = _grads.model_state_field(state)
     state = state.replace(**{field: new_ms}) if field else state
     stop = metrics.pop(_grads.STOP)
@@ -213,32 +257,26 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         >>> float(metrics["loss"])
         1.0
     """
-    _checks.train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
-    _checks.dtype_option("compute_dtype", compute_dtype)
-    _checks.bool_options(has_aux=has_aux, donate=donate, shard_optimizer=shard_optimizer,
-                         cast_batch=cast_batch)
-    shard_params = _checks.shard_params_option(shard_params)
-    _checks.fsdp_comm_dtype(shard_params, comm_dtype, compute_dtype)
-    body = functools.partial(
-        _global_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
-        accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype,
-        shard_optimizer=shard_optimizer, shard_params=shard_params, compute_dtype=compute_dtype,
-        cast_batch=cast_batch)
+    options = StepOptions(
+        loss_fn, has_aux=has_aux, grad_reduce=grad_reduce, accum_steps=accum_steps,
+        model_state_sync=model_state_sync, comm_dtype=comm_dtype, donate=donate,
+        max_in_flight=max_in_flight, shard_optimizer=shard_optimizer,
+        shard_params=shard_params, compute_dtype=compute_dtype, cast_batch=cast_batch)
+    body = functools.partial(_global_train_step, options=options)
 
     def check(state, batch):
         require_job("jdp.train_step")
-        _checks.placed_state(state, shard_optimizer, shard_params)
-        _checks.global_batch(batch, accum_steps)
+        _checks.placed_state(state, options.shard_optimizer, options.shard_params)
+        _checks.global_batch(batch, options.accum_steps)
 
     transform = functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
-    announce = _dispatch.collective_call(
-        "train_step", "jdp.train_step", False, has_aux=has_aux, grad_reduce=grad_reduce,
-        accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype,
-        donate=donate, shard_optimizer=shard_optimizer, shard_params=shard_params,
-        compute_dtype=compute_dtype, cast_batch=cast_batch)
+    announce = _dispatch.collective_call("train_step", "jdp.train_step", False,
+                                         **options.agreed())
     step = _dispatch.make_step(body, check, transform, place_stop, max_in_flight=max_in_flight,
                                train=True, donate=donate, announce=announce)
-    return _model_state_checked(step) if shard_params and model_state_sync is None else step
+    if options.shard_params and model_state_sync is None:
+        return _model_state_checked(step)
+    return step
 
 
 def _model_state_checked(step: Callable) -> Callable:

@@ -17,6 +17,7 @@ from jdp.job import env as _env
 from jdp.job import net as _net
 from jdp.job.outcome import Job, Outcome
 from jdp.launch import _goodput, _profile_opts, _rounds, _supervisor
+from jdp.launch._config import LaunchConfig
 
 WHO = "jdp.launch"
 
@@ -158,13 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and check the command line; bad values exit with status 2 before anything starts."""
+def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
+    """Parse and check the command line; bad values exit with status 2 before anything starts.
+    The checked values, frozen, are what the launcher reads from then on."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if problem := _problem(args) or _values_problem(args):
         parser.error(problem)
-    return args
+    return LaunchConfig.from_args(args)
 
 
 def _problem(args: argparse.Namespace) -> str | None:
@@ -288,72 +290,72 @@ def _port_problem(args: argparse.Namespace) -> str | None:
     return problem.replace("MASTER_ADDR=", "--master_addr ") if problem else None
 
 
-def command(args: argparse.Namespace) -> list:
+def command(config: LaunchConfig) -> list:
     """The command line of one process: the script (or program) through jdp's runner."""
-    if args.no_python:
-        return [sys.executable, _supervisor.RUNNER, "--exec", args.script, *args.script_args]
-    target = ["-m", args.script] if args.module else [args.script]
-    return [sys.executable, "-u", _supervisor.RUNNER, *target, *args.script_args]
+    if config.no_python:
+        return [sys.executable, _supervisor.RUNNER, "--exec", config.script, *config.script_args]
+    target = ["-m", config.script] if config.module else [config.script]
+    return [sys.executable, "-u", _supervisor.RUNNER, *target, *config.script_args]
 
 
-def rank_specs(args: argparse.Namespace, port: int, attempt: int,
+def rank_specs(config: LaunchConfig, port: int, attempt: int,
                extra_env: dict | None = None, place: _rounds.Round | None = None) -> list:
     """One RankSpec per local process, each with its environment built by rank_env; `place`
     is this node's place in the round (default: --node_rank of --nnodes, all present)."""
-    place = place or _rounds.Round(args.node_rank, args.nnodes,
-                                   args.node_rank * args.nproc_per_node,
-                                   args.nnodes * args.nproc_per_node, None, None)
+    place = place or _rounds.Round(config.node_rank, config.nnodes,
+                                   config.node_rank * config.nproc_per_node,
+                                   config.nnodes * config.nproc_per_node, None, None)
     base = {**os.environ, **(extra_env or {}), _env.NNODES: str(place.nnodes)}
     specs = []
-    for local in range(args.nproc_per_node):
+    for local in range(config.nproc_per_node):
         rank = place.first_rank + local
         env = _supervisor.rank_env(
             base, rank=rank, local_rank=local, world_size=place.world,
-            local_world_size=args.nproc_per_node, node_rank=place.node_rank,
-            master_addr=args.master_addr, master_port=port, restart_count=attempt,
-            devices_per_process=args.devices_per_process)
-        specs.append(_supervisor.RankSpec(rank, command(args), env))
+            local_world_size=config.nproc_per_node, node_rank=place.node_rank,
+            master_addr=config.master_addr, master_port=port, restart_count=attempt,
+            devices_per_process=config.devices_per_process)
+        specs.append(_supervisor.RankSpec(rank, command(config), env))
     return specs
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(config: LaunchConfig) -> int:
     """Run the job in rounds (restarts, several nodes: see `_rounds`); return the exit status."""
-    job = Job(WHO, args.nnodes * args.nproc_per_node, args.nnodes, args.node_rank,
-              args.progress_timeout)
-    limits = _supervisor.Limits(stop_grace_s=args.stop_grace,
-                                progress_timeout_s=args.progress_timeout)
-    with _compilation_cache(args) as cache_env:
+    job = Job(WHO, config.nnodes * config.nproc_per_node, config.nnodes, config.node_rank,
+              config.progress_timeout)
+    limits = _supervisor.Limits(stop_grace_s=config.stop_grace,
+                                progress_timeout_s=config.progress_timeout)
+    with _compilation_cache(config) as cache_env:
         def run_round(r: int, place: _rounds.Round) -> Outcome:
-            port = args.master_port or _net.free_port(args.master_addr)   # fresh per round
-            output = _supervisor.Output(args.logdir, console=not args.redirect_stdout_and_stderr,
-                                        append=r > 0)
-            env = {**cache_env, **_profile_opts.rank_env(args.profile_steps, args.logdir)}
-            return _supervisor.run(rank_specs(args, port, r, env, place), output, limits,
+            port = config.master_port or _net.free_port(config.master_addr)   # fresh per round
+            output = _supervisor.Output(config.logdir, append=r > 0,
+                                        console=not config.redirect_stdout_and_stderr)
+            env = {**cache_env, **_profile_opts.rank_env(config.profile_steps, config.logdir)}
+            return _supervisor.run(rank_specs(config, port, r, env, place), output, limits,
                                    place.stop, ledger, place.drain)
 
-        rdzv = (args.master_addr, args.rdzv_port) if args.nnodes > 1 else None
-        ledger = _goodput.Ledger(WHO, args.logdir, args.node_rank)   # where the time went
-        _profile_opts.say(WHO, _profile_opts.no_directory(args.profile_steps, args.logdir))
-        status = _rounds.run(job, args.max_restarts, rdzv, run_round, args.min_nodes,
-                             args.rdzv_timeout, ledger)
+        rdzv = (config.master_addr, config.rdzv_port) if config.nnodes > 1 else None
+        ledger = _goodput.Ledger(WHO, config.logdir, config.node_rank)   # where the time went
+        _profile_opts.say(WHO, _profile_opts.no_directory(config.profile_steps, config.logdir))
+        status = _rounds.run(job, config.max_restarts, rdzv, run_round, config.min_nodes,
+                             config.rdzv_timeout, ledger)
         ledger.finish()
         if status == 0:
-            _profile_opts.say(WHO, _profile_opts.no_trace(args.profile_steps, args.logdir,
+            _profile_opts.say(WHO, _profile_opts.no_trace(config.profile_steps, config.logdir,
                                                           ledger.steps_run()))
         return status
 
 
 @contextlib.contextmanager
-def _compilation_cache(args: argparse.Namespace):
+def _compilation_cache(config: LaunchConfig):
     """The environment that turns on JAX's persistent compilation cache for every process
     ({} when the user set JAX_COMPILATION_CACHE_DIR or said --compilation_cache off)."""
-    if args.compilation_cache == "off" or _env.COMPILATION_CACHE in os.environ:
+    if config.compilation_cache == "off" or _env.COMPILATION_CACHE in os.environ:
         yield {}
         return
     settings = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    chosen = args.compilation_cache or (
-        os.path.join(args.logdir, "compilation_cache") if args.logdir else None)
+    chosen = config.compilation_cache or (
+        os.path.join(config.logdir, "compilation_cache") if config.logdir else None)
     if chosen:
         yield {_env.COMPILATION_CACHE: os.path.abspath(chosen), **settings}
         return
