@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, child_env
+from conftest import REPO, child_env, write_script
 
 PACKAGE = pathlib.Path(REPO) / "jdp"
 NUMERIC = {"jax", "jaxlib", "flax", "optax", "numpy"}
@@ -100,6 +100,50 @@ def test_shard_with_layout_pmap_is_the_pmap_forms_shard():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
+NUMERIC_LOADED = ("import sys\n{first}\n"
+                  "print(sorted({{name.split('.')[0] for name in sys.modules}} & set({numeric})))")
+
+
+@pytest.mark.parametrize("first", ["import jdp.launch", "import jdp", "from jdp import launch, "
+                                   "spawn, preempted", "import jdp.job"])
+def test_the_launcher_and_the_front_door_import_nothing_numeric(first):
+    """In a fresh interpreter, `import jdp` and the launcher's names leave JAX, flax, optax and
+    numpy unimported: the supervisor starts in milliseconds and never holds an accelerator."""
+    code = NUMERIC_LOADED.format(first=first, numeric=sorted(NUMERIC))
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-3000:])
+
+
+def test_launch_help_imports_nothing_numeric():
+    """`python -m jdp.launch --help` prints its manual; Python's own import log (-X importtime)
+    names no numeric module."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "jdp.launch", "--help"],
+                         env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--nproc_per_node" in out.stdout, out.stderr[-3000:]
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()
+              if line.startswith("import time:")}
+    assert "jdp.launch" in loaded
+    assert {name.split(".")[0] for name in loaded} & NUMERIC == set()
+
+
+def test_the_supervisor_runs_a_job_without_importing_jax(tmp_path):
+    """The launcher runs two ranks of a script to the end in-process, and after the job its own
+    interpreter still holds no numeric module (the ranks import what their script imports)."""
+    script = write_script(tmp_path, "hello.py", "import os; print('rank', os.environ['RANK'])\n")
+    code = ("import sys\nfrom jdp.launch import main\n"
+            f"try:\n    main(['--nproc_per_node', '2', {script!r}])\n"
+            "except SystemExit as end:\n    print('exit', end.code)\n"
+            "print(sorted({name.split('.')[0] for name in sys.modules} & "
+            f"set({sorted(NUMERIC)})))")
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert {"[rank0]: rank 0", "[rank1]: rank 1"} <= set(lines), out.stdout
+    assert lines[-2:] == ["exit 0", "[]"], out.stdout
+
+
 def imported_modules(path: pathlib.Path) -> set:
     """Top-level names of every module `path` imports, at any depth of its code."""
     names = set()
@@ -139,15 +183,15 @@ def test_no_module_patches_the_import_system():
 
 
 def test_the_version_has_one_source_and_a_changelog_section():
-    """pyproject.toml reads the version from jdp.__version__, and CHANGELOG.md's newest section is
-    that version."""
+    """pyproject.toml reads the version from jdp.__version__, and CHANGELOG.md's newest released
+    section is that version."""
     import jdp
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((pathlib.Path(REPO) / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "jdp.__version__"}
     newest = next(line for line in (pathlib.Path(REPO) / "CHANGELOG.md").read_text().splitlines()
-                  if line.startswith("## "))
+                  if line.startswith("## ") and line != "## Unreleased")
     assert newest == f"## {jdp.__version__}", newest
     config = pytest.importorskip("setuptools.config.pyprojecttoml")
     built = config.read_configuration(pathlib.Path(REPO) / "pyproject.toml")

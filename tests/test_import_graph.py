@@ -147,7 +147,7 @@ def test_the_launcher_is_imported_only_by_the_top_level_re_export():
 
 def test_the_pmap_form_is_on_top_of_the_core():
     """Only `jdp` imports the classic form, so removing jdp/pmap.py breaks the classic form alone;
-    the layout it plugs into the core is there once `import jdp` has run."""
+    the layout it plugs into the core is there once a numeric name of `jdp` has been read."""
     import jdp
     offenders = [e for e in edges() if e.dst == "pmap" and e.src != "jdp"]
     assert offenders == [], "jdp.pmap imported from inside jdp: " + describe(offenders)
