@@ -1,13 +1,15 @@
 """What jdp's agreement points cost the coordination service, at up to 1,024 simulated
 processes: threads that run the real agreement logic against the counting in-memory store
-(`jdp.distributed._memstore`). Each process must make the same few requests whatever the
+(`tests/doubles/memstore.py`). Each process must make the same few requests whatever the
 number of processes, and the store must not grow with the number of agreement points.
 """
 import threading
 
 import pytest
 
-from jdp.distributed import _agree, _memstore
+from doubles import memstore
+
+from jdp.distributed import _agree
 
 FIX = "build the same thing everywhere"
 
@@ -47,7 +49,7 @@ def _same(rank, i):
 
 @pytest.mark.parametrize("count", [8, 1024])
 def test_one_agreement_point_costs_each_process_a_constant_number_of_requests(count):
-    store = _memstore.Store()
+    store = memstore.Store()
     assert _run(store, count, _same) == dict.fromkeys(range(count))
     requests = sorted(store.counts[r].requests for r in range(count))
     # the protocol: note where it waits, set its hash, count itself in, get the verdict;
@@ -60,7 +62,7 @@ def test_one_agreement_point_costs_each_process_a_constant_number_of_requests(co
 
 
 def test_a_thousand_agreement_points_leave_no_more_keys_than_one():
-    store = _memstore.Store()
+    store = memstore.Store()
     assert _run(store, 3, _same, points=1) == dict.fromkeys(range(3))
     after_one = store.keys()
     assert _run(store, 3, _same, points=999) == dict.fromkeys(range(3))
@@ -71,7 +73,7 @@ def test_a_thousand_agreement_points_leave_no_more_keys_than_one():
 
 
 def test_a_difference_names_the_first_differing_fact_and_both_sides_on_every_process():
-    store = _memstore.Store()
+    store = memstore.Store()
     odd = {5, 9}
 
     def facts(rank, i):
@@ -86,7 +88,7 @@ def test_a_difference_names_the_first_differing_fact_and_both_sides_on_every_pro
 
 
 def test_processes_on_different_paths_are_named_on_every_process_within_a_poll():
-    store = _memstore.Store()
+    store = memstore.Store()
     outcome = _run(store, 4, _same, topic_of=lambda rank, i: "loader" if rank == 1 else "tree",
                    timeout_s=60.0, poll_s=0.05)
     assert str(outcome[0]).startswith("who0: process 0 waits here (call 1) while process 1 "
@@ -99,7 +101,7 @@ def test_processes_on_different_paths_are_named_on_every_process_within_a_poll()
 
 
 def test_a_process_that_never_comes_is_named_after_the_timeout():
-    store = _memstore.Store()
+    store = memstore.Store()
     outcome = _run(store, 5, _same, timeout_s=0.3, poll_s=0.05, ranks=[0, 1, 2, 4])
     for rank in (0, 1, 2, 4):
         assert isinstance(outcome[rank], TimeoutError), outcome[rank]

@@ -6,7 +6,7 @@ logic can: `Store` holds the keys like the service does (set, blocking get, try 
 directory get, delete of a key and its directory, increment), and `Store.client(rank)` gives
 each simulated process (a thread) a client whose every call counts one request and the bytes
 it sends and receives. The tests prove constant requests per process and bounded keys with
-it; `make bench` turns the counts into the scaling table of docs/performance.md.
+it; `make bench` turns the counts into the scaling table of BENCHMARKS.md.
 """
 from __future__ import annotations
 
