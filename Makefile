@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEVICES ?= 8
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=$(DEVICES)
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test test-fast bench lint clean
 
 install: $(VENV)/.installed
 
@@ -19,8 +19,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/mnist.py --output-dir runs/demo
 
+# Everything, as CI runs it (tests/system/ starts processes: about 16 minutes on 2 cores).
 test: install
 	$(PY) -m pytest -q
+
+# The unit tests and doctests alone, nothing that starts a process: the loop while editing.
+test-fast: install
+	$(PY) -m pytest -q -m "not system"
 
 # The PyTorch peer is optional: without it the report says the comparison was skipped.
 bench: install
