@@ -299,7 +299,7 @@ def table(quick: bool = False) -> str:
             "Real processes (`python -m jdp.launch --nproc_per_node N --devices_per_process 1`, "
             f"{os.cpu_count()} CPU cores), 30 agreement points of a 16-leaf tree against JAX's "
             f"coordination service:\n\n{real}\nJAX's coordination service on this machine, one "
-            f"client over 127.0.0.1, per request (the figures docs/performance.md's model "
+            f"client over 127.0.0.1, per request (the figures BENCHMARKS.md's model "
             f"scales):\n\n{service}")
 
 
