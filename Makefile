@@ -30,7 +30,7 @@ test-fast: install
 # The PyTorch peer is optional: without it the report says the comparison was skipped.
 bench: install
 	$(PY) -m pip install -q -e ".[torch]" || echo "torch==2.13.0 not installable: skipping the PyTorch DDP comparison"
-	$(PY) -m benchmarks.run --output BENCHMARKS.md
+	$(PY) -m benchmarks --output BENCHMARKS.md
 
 lint: install
 	$(PY) -m pip install -q ruff

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import report
+from benchmarks.harness import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FACTS = [(f"['layer{i}']['w']", "float32[1024, 1024]") for i in range(16)]

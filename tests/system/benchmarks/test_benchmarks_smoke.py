@@ -32,7 +32,8 @@ class InProcess:
 
 @pytest.fixture(scope="module")
 def results():
-    from benchmarks import run, worker
+    from benchmarks import worker
+    from benchmarks.harness import run
     bench = InProcess(worker.Bench(["jdp", "hand", "pmap", "maxpool"], per_device=2))
     settings = dict(rounds=2, target_s=0.01, loader_batches=2, malloc_scaling=False,
                     profile=True, zero_params=3000, zero_devices=(2,))
@@ -46,7 +47,8 @@ def results():
 def block(results):
     """The generated block of BENCHMARKS.md from these results (every table of run.TABLES;
     the tables that measure in their own processes are stubbed: their own tests run them)."""
-    from benchmarks import overhead, run
+    from benchmarks import overhead
+    from benchmarks.harness import run
     stub = "| {} | value |\n| --- | --- |\n| stub | 1 |\n"
     with pytest.MonkeyPatch.context() as patch:
         for name in ("bench_input", "bench_checkpoint", "bench_progress",
@@ -93,7 +95,7 @@ def test_profile_finds_convolutions_and_the_all_reduce(results):
 
 
 def test_every_table_renders_well_formed_with_finite_numbers(block):
-    from benchmarks import run
+    from benchmarks.harness import run
     for title, _ in run.TABLES:
         assert f"### {title}" in block
     assert "Failed:" not in block
@@ -169,7 +171,7 @@ def jax_leaves(tree):
 
 
 def test_splice_replaces_only_the_generated_block():
-    from benchmarks.report import BEGIN, END, splice
+    from benchmarks.harness.report import BEGIN, END, splice
     old = f"# title\n\nhand intro\n\n{BEGIN}\nold tables\n{END}\n\n## Analysis\nhand text\n"
     new = splice(old, "new tables")
     assert new == old.replace("old tables", "new tables")
@@ -177,7 +179,7 @@ def test_splice_replaces_only_the_generated_block():
 
 
 def test_collective_parser_reads_tuple_async_and_sharded_forms():
-    from benchmarks import hlo
+    from benchmarks.harness import hlo
     text = textwrap.dedent("""\
         %all-reduce = (f32[3,4]{1,0}, /*index=1*/bf16[8]{0}, f32[]) all-reduce(%a, %b, %c)
         %ars = f32[10]{0} all-reduce-start(%d), replica_groups={}
@@ -213,7 +215,8 @@ def test_protocol_round_trip_with_a_child_process(tmp_path):
 
 
 def test_interleaved_rounds_alternate_order_and_ratios_pair_rounds():
-    from benchmarks import harness, report
+    from benchmarks import harness
+    from benchmarks.harness import report
     calls = []
     harness.interleave(lambda k: calls.append(k) or {"a": 2.0, "b": 1.0}[k], ["a", "b"], 3)
     assert calls == ["a", "b", "b", "a", "a", "b"]

@@ -1,11 +1,12 @@
 """Run jdp's benchmarks and write their tables into BENCHMARKS.md (what `make bench` runs):
-`python -m benchmarks.run [--output BENCHMARKS.md] [--quick] [--only 2dev+malloc,torch]`.
+`python -m benchmarks [--output BENCHMARKS.md] [--quick] [--only 2dev+malloc,torch]`.
 
-One long-lived job per configuration (`benchmarks.jobs`): `1dev 2dev 4dev 8dev` (one process,
-k simulated devices), `2proc` (`jdp.launch`, 2 processes x 1 device), `torch` (PyTorch DDP, if
-installed), each also as `<job>+malloc` with jdp's allocator tuning. Interleaved rounds time
+One long-lived job per configuration (`benchmarks.harness.jobs`): `1dev 2dev 4dev 8dev` (one
+process, k simulated devices), `2proc` (`jdp.launch`, 2 processes x 1 device), `torch`
+(PyTorch DDP, if installed), each also as `<job>+malloc` with jdp's allocator tuning. Interleaved rounds time
 every (job, variant) for about `target_s` s, then come the HLO and profile requests. Each entry
-of `TABLES` renders one table from these results or measures its own.
+of `TABLES` renders one table from these results (`benchmarks.cnn`) or calls the module of a
+benchmark that measures its own.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import sys
 import tempfile
 import time
 
-from benchmarks import harness, jobs, overhead, report, zero
+from benchmarks import cnn, overhead, zero
+from benchmarks.harness import control, jobs, report
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 # Ratios finer than round-to-round noise: "job:a/b" = a / b, alternated in short bursts.
@@ -44,7 +46,7 @@ def overhead_table(r: dict) -> str:
     return overhead.table(reps=7 if quick else 15, steps=100 if quick else 300)
 
 
-TABLES = [*report.TABLES,
+TABLES = [*cnn.TABLES,
           ("9. Sharded training state (ZeRO, FSDP, bf16) against replication: memory at rest "
            "and at peak, traffic, time",
            selected("zero", zero.table)),
@@ -69,7 +71,7 @@ TABLES = [*report.TABLES,
 
 def measure(workers: dict, settings: dict) -> dict:
     """Calibrate, run the interleaved rounds, then the HLO and profile requests. `workers`:
-    job name -> `harness.Worker` (or a stand-in with `.info["variants"]` and `.request`)."""
+    job name -> `control.Worker` (or a stand-in with `.info["variants"]` and `.request`)."""
     steps = {}
     for job, w in workers.items():  # about target_s per measurement, at least 3 steps
         for v in w.info["variants"]:
@@ -99,7 +101,7 @@ def measure(workers: dict, settings: dict) -> dict:
         return {k: workers[k.split(":")[0]].request(op=op, variant=k.split(":")[1], **extra)
                 for k in keys if k in steps}
 
-    samples = harness.interleave(one, keys, settings["rounds"])
+    samples = control.interleave(one, keys, settings["rounds"])
     profiled = ("2dev:jdp", "2dev+malloc:jdp", "2dev+malloc:maxpool")
     return {"samples": samples, "details": details,
             "profile": ask("profile", profiled if settings["profile"] else (), steps=5),
@@ -117,7 +119,7 @@ def run(settings: dict, only: list[str]) -> dict:
         todo = [j for j in jobs.plan(root, settings["malloc_scaling"], HAS_TORCH)
                 if not only or j.name in only]
         r["commands"] = {j.name: jobs.command_line(j).replace(root, "$DIR") for j in todo}
-        workers = {j.name: harness.Worker(j.name, j.argv, j.env, j.control, jobs.REPO)
+        workers = {j.name: control.Worker(j.name, j.argv, j.env, j.control, jobs.REPO)
                    for j in todo}
         try:
             for name in list(workers):
@@ -147,7 +149,7 @@ def render(r: dict) -> str:
 
 def main(argv=None) -> None:
     """Measure, then rewrite the generated block of `--output`."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
@@ -156,7 +158,7 @@ def main(argv=None) -> None:
                    "(default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])
-    r["command"] = " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])])
+    r["command"] = " ".join(["python -m benchmarks", *(argv or sys.argv[1:])])
     block = render(r)
     old = open(args.output).read() if os.path.exists(args.output) else None
     with open(args.output, "w") as f:

@@ -14,12 +14,12 @@ from jdp.job.env import RANK_VARS
 from jdp.job.malloc import ENV as MALLOC_ENV
 from jdp.job.net import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Job(NamedTuple):
     name: str
-    control: str  # its directory of requests and answers (`benchmarks.harness`)
+    control: str  # its directory of requests and answers (`benchmarks.harness.control`)
     argv: list
     env: dict
 
