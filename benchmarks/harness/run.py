@@ -3,8 +3,9 @@
 
 One long-lived job per configuration (`benchmarks.harness.jobs`): `1dev 2dev 4dev 8dev` (one
 process, k simulated devices), `2proc` (`jdp.launch`, 2 processes x 1 device), `torch`
-(PyTorch DDP, if installed), each also as `<job>+malloc` with jdp's allocator tuning. Interleaved rounds time
-every (job, variant) for about `target_s` s, then come the HLO and profile requests. Each entry
+(PyTorch DDP, if installed), each also as `<job>+malloc` with jdp's allocator tuning.
+Interleaved rounds time every (job, variant) for about `target_s` s, then come the HLO and
+profile requests. Each entry
 of `TABLES` renders one table from these results (`benchmarks.cnn`) or calls the module of a
 benchmark that measures its own.
 """
