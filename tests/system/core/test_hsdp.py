@@ -11,7 +11,7 @@ from conftest import free_port, job_env, one_line_error, start_launcher, write_s
 from test_fsdp_layers import assert_tree_close, batches, mse_loss, scanned, single_device, stacked
 
 import jdp
-from benchmarks import hlo
+from benchmarks.harness import hlo
 
 N, K, L, D = 8, 4, 4, 64
 TX = optax.sgd(0.05, momentum=0.9)
