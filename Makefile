@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEVICES ?= 8
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=$(DEVICES)
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test test-fast bench lint clean
 
 install: $(VENV)/.installed
 
@@ -19,17 +19,24 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/mnist.py --output-dir runs/demo
 
+# Everything, as CI runs it (tests/system/ starts processes: about 16 minutes on 2 cores).
 test: install
 	$(PY) -m pytest -q
+
+# The unit tests and doctests alone, nothing that starts a process: the loop while editing.
+# XLA's compiled programs stay in .jax_cache/ between runs: a warm run needs a third of the CPU.
+test-fast: install
+	JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$(CURDIR)/.jax_cache} \
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 $(PY) -m pytest -q -m "not system"
 
 # The PyTorch peer is optional: without it the report says the comparison was skipped.
 bench: install
 	$(PY) -m pip install -q -e ".[torch]" || echo "torch==2.13.0 not installable: skipping the PyTorch DDP comparison"
-	$(PY) -m benchmarks.run --output BENCHMARKS.md
+	$(PY) -m benchmarks --output BENCHMARKS.md
 
 lint: install
 	$(PY) -m pip install -q ruff
 	$(PY) -m ruff check jdp tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info .jax_cache

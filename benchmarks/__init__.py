@@ -1,2 +1,3 @@
-"""jdp's benchmark suite: `python -m benchmarks.run --output BENCHMARKS.md [--quick]` (`run`
-lists the tables, `report` renders them, `harness` drives the measured jobs in rounds)."""
+"""jdp's benchmark suite: `python -m benchmarks --output BENCHMARKS.md [--quick]` (what `make
+bench` runs). `harness/` runs the jobs and renders BENCHMARKS.md; every other module is one
+benchmark and renders its own table (`cnn`: the CNN jobs' summary and tables 1-8)."""

@@ -6,7 +6,7 @@
 Each rank prints the median milliseconds of an all-reduce of BYTES (the seed CNN's gradient) in
 16 alternated rounds: right after a barrier, after 100 ms asleep, and after a 100 ms busy loop
 (what a training step's compute is to the all-reduce that follows it). docs/performance.md
-tells what the difference means.
+says what the difference means; BENCHMARKS.md holds the runs.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks import report
+from benchmarks.harness import report
 
 PARAMS = 50_000_000
 

@@ -4,7 +4,7 @@ Three measurements, each against the thing itself where this machine allows it:
 
 1. Agreement points (`jdp.broadcast`, the Loader, every checkpoint save) at N = 2 ... 4,096
    simulated processes: threads running the real logic (`jdp.distributed._agree`) against the
-   counting in-memory store (`jdp.distributed._memstore`): requests and bytes per process and
+   counting in-memory store (`tests/doubles/memstore.py`): requests and bytes per process and
    at the coordinator, keys held afterwards, next to the algorithm jdp used before (every
    process read every other's hash: `_before`), run the same way up to N = 256.
 2. The in-job watchdog (srun/mpirun) and the roll call: requests per process per period with
@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import report
+from benchmarks.harness import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FACTS = [(f"['layer{i}']['w']", "float32[1024, 1024]") for i in range(16)]
@@ -55,8 +55,8 @@ def _after(client, rank: int, count: int, rounds: dict, topic: str, facts: list)
 
 def simulate(count: int, how, points: int = 1) -> dict:
     """`points` agreement points of `count` threads on one counting store; the counts."""
-    from jdp.distributed import _memstore
-    store, errors = _memstore.Store(), []
+    from tests.doubles import memstore  # the double lives with the tests; run from the root
+    store, errors = memstore.Store(), []
 
     def process(rank):
         rounds: dict = {}
@@ -112,9 +112,10 @@ def watchdog_rows(cases=((8, 10.0), (256, 10.0), (1024, 10.0), (1024, 600.0)),
 
 
 def _watch_once(n: int, timeout_s: float, seconds: float | None) -> list:
-    from jdp.distributed import _memstore, _watch
+    from jdp.distributed import _watch
     from jdp.job import progress as _progress
-    store = _memstore.Store()
+    from tests.doubles import memstore
+    store = memstore.Store()
     slots = [bytearray(_progress.SLOT_SIZE) for _ in range(n)]
     every = _watch.period(timeout_s)
     seconds = seconds or max(2.0, 2 * every)
@@ -298,7 +299,7 @@ def table(quick: bool = False) -> str:
             "Real processes (`python -m jdp.launch --nproc_per_node N --devices_per_process 1`, "
             f"{os.cpu_count()} CPU cores), 30 agreement points of a 16-leaf tree against JAX's "
             f"coordination service:\n\n{real}\nJAX's coordination service on this machine, one "
-            f"client over 127.0.0.1, per request (the figures docs/performance.md's model "
+            f"client over 127.0.0.1, per request (the figures BENCHMARKS.md's model "
             f"scales):\n\n{service}")
 
 

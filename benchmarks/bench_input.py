@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from benchmarks import report
+from benchmarks.harness import report
 
 NUM_IMAGES, SIZE, CROP, BATCH = 1024, 128, 112, 32
 

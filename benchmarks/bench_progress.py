@@ -14,7 +14,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks import report
+from benchmarks.harness import report
 
 
 def _slot_on(path: str) -> None:

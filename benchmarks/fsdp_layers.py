@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jdp
-from benchmarks import hlo, jobs, report
+from benchmarks.harness import hlo, jobs, report
 
 LAYERS = (8, 16, 64)
 PER_DEVICE = 16

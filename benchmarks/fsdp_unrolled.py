@@ -1,7 +1,7 @@
 """FSDP on a Transformer whose layers are unrolled: lm1b's `TransformerLM` (examples/flax_lm1b/
 models.py: 6 layers of 512, 8 heads, MLP 2048, vocabulary 256, 19.2M parameters), AdamW, 8
 devices, `PER_DEVICE` sequences of `LENGTH` tokens per device, trained five ways: replicated,
-ZeRO (`shard_optimizer`), FSDP with every gather left to the compiler (`layer_policy(...,
+ZeRO (`shard_optimizer`), FSDP with every gather left to the compiler (`jdp.layer_policy(...,
 enabled=False)`: jdp's FSDP before it found the layers), FSDP gathering one layer at a time
 (the default), and the same model with its layers under `nn.scan` (each under remat) under
 FSDP. Per device: parameters + optimizer state at rest, the compiled step's peak
@@ -27,8 +27,7 @@ import numpy as np
 import optax
 
 import jdp
-from benchmarks import hlo, jobs, report
-from jdp.core._layers import layer_policy
+from benchmarks.harness import hlo, jobs, report
 
 PER_DEVICE, LENGTH, VOCAB = 4, 128, 256
 MiB = 2**20
@@ -130,7 +129,8 @@ def measure(layers: int = 6, width: int = 512, steps: int = 3) -> dict:
     modes = {"replicated": (unrolled, _loss(unrolled), {}),
              "ZeRO": (unrolled, _loss(unrolled), {"shard_optimizer": True}),
              "FSDP, gathers left to the compiler": (
-                 unrolled, layer_policy(_loss(unrolled), enabled=False), {"shard_params": True}),
+                 unrolled, jdp.layer_policy(_loss(unrolled), enabled=False),
+                 {"shard_params": True}),
              "FSDP, one layer at a time (default)": (
                  unrolled, _loss(unrolled), {"shard_params": True}),
              "FSDP, the model scanned": (scan, _loss(scan), {"shard_params": True})}

@@ -14,7 +14,8 @@ import argparse
 import functools
 import statistics
 
-from benchmarks import harness, report
+from benchmarks import harness
+from benchmarks.harness import report
 from benchmarks.overhead import burst
 
 

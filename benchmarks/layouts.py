@@ -26,7 +26,8 @@ import sys
 import tempfile
 import time
 
-from benchmarks import harness, jobs, report
+from benchmarks import harness
+from benchmarks.harness import jobs, report
 
 PROFILE_STEPS = 8
 

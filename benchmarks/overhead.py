@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks import harness, report
+from benchmarks import harness
+from benchmarks.harness import report
 
 DEVICES_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
 

@@ -25,7 +25,8 @@ import optax
 from jax import lax
 
 import jdp
-from benchmarks import harness, hlo, jobs
+from benchmarks import harness
+from benchmarks.harness import hlo, jobs
 
 METRIC_SCALARS = 2  # the example's "loss" and "accuracy"
 
@@ -140,8 +141,8 @@ class Bench:
                                                      METRIC_SCALARS)}
 
     def profile(self, request: dict) -> dict:
-        """CPU milliseconds per step by kind of op (`benchmarks.profile`)."""
-        from benchmarks import profile
+        """CPU milliseconds per step by kind of op (`benchmarks.harness.profile`)."""
+        from benchmarks.harness import profile
         name = request["variant"]
         return profile.breakdown(lambda n: self._run(name, n),
                                  self._compiled(name).as_text(), request["steps"])

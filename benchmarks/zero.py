@@ -28,7 +28,8 @@ import numpy as np
 import optax
 
 import jdp
-from benchmarks import fsdp_layers, hlo, jobs, report
+from benchmarks import fsdp_layers
+from benchmarks.harness import hlo, jobs, report
 
 # mode -> options of both jdp.broadcast (the two shard_* flags) and jdp.train_step (all).
 MODES = {

@@ -10,9 +10,10 @@ Python binds `jdp.train_step` to this module once it is imported, where `jdp.tra
 expects the function. So the module is callable: its class is `CallableModule`, a
 `types.ModuleType` subclass whose `__call__` is `jdp.core.train_step` (the language reference,
 "Customizing module attribute access", allows setting a module's `__class__`; nothing is put in
-`sys.modules`). `import jdp` imports it too, so `jdp.train_step` is this module however it was
-reached; `__wrapped__` makes `inspect.signature(jdp.train_step)` the function's. The function
-itself, with its documentation, is `jdp.core.train_step`.
+`sys.modules`). Reading `jdp.train_step` imports it too (jdp's names load on first use), so
+`jdp.train_step` is this module however it was reached; `__wrapped__` makes
+`inspect.signature(jdp.train_step)` the function's. The function itself, with its
+documentation, is `jdp.core.train_step`.
 
 Example:
     >>> import jdp.train_step

@@ -73,6 +73,17 @@ def run_python(args, env=None, timeout=120, cwd=None) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=timeout)
 
 
+SYSTEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "system")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Mark every test under tests/system/ (those that start processes) `system`, so that
+    `pytest -m "not system"` (make test-fast) is the unit tests alone."""
+    for item in items:
+        if str(item.path).startswith(SYSTEM + os.sep):
+            item.add_marker(pytest.mark.system)
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()
@@ -201,10 +212,11 @@ def tag() -> str:
 @pytest.fixture
 def tagged(monkeypatch, tag):
     """For jobs started in this process (jdp.spawn): children inherit our environment, so tag
-    it, clear launcher variables, and let them import the tests' modules (_spawn_targets)."""
+    it, clear launcher variables, and let them import the tests' modules (tests/system/
+    launch/_spawn_targets.py)."""
     from jdp.job.env import RANK_VARS
 
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "system", "launch")
     for name, value in job_env(tag).items():
         monkeypatch.setenv(name, value)
     for name in RANK_VARS:
@@ -235,6 +247,6 @@ for step in range(10**6):                      # rank 0 keeps running collective
     step_fn(x).block_until_ready()
 """
 
-# The rank-side scripts beside the tests are run by the tests, not collected (the torch peer's
-# imports torch, an optional extra).
-collect_ignore_glob = ["_*.py"]
+# The rank-side scripts beside the tests (tests/system/**/_*.py) are run by the tests, not
+# collected (the torch peer's imports torch, an optional extra); fnmatch's `*` spans folders.
+collect_ignore_glob = ["_*.py", "*/_*.py"]

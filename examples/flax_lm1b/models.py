@@ -6,7 +6,7 @@ names, parameter shapes, masks, sinusoidal position table and defaults (6 layers
 heads, MLP 2048, dropout 0.1), without the autoregressive-decoding cache and the logical
 partitioning annotations (neither is used in training, and jdp shards by itself). The layers
 are a Python loop, as upstream: the model FSDP must gather one layer at a time with no change
-to it (tests/test_fsdp_unrolled.py, benchmarks/fsdp_unrolled.py).
+to it (tests/core/test_fsdp_unrolled.py, benchmarks/fsdp_unrolled.py).
 """
 
 from collections.abc import Callable

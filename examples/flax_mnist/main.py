@@ -7,8 +7,8 @@ one takes the same hyperparameters (flax's `configs/default.py`: learning rate 0
     python examples/flax_mnist/main.py --workdir /tmp/mnist                # all local devices
     python -m jdp.launch --nproc_per_node 2 examples/flax_mnist/main.py --workdir /tmp/mnist
 
-`--train` names another copy of the example to run (tests/test_flax_ports.py runs flax's own
-on one device this way).
+`--train` names another copy of the example to run (tests/system/examples/test_flax_ports.py runs
+flax's own on one device this way).
 """
 from __future__ import annotations
 

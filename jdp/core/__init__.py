@@ -22,6 +22,7 @@ from jdp.core._checks import (
 )
 from jdp.core._dispatch import make_step, stop_values
 from jdp.core._inflight import StepWindow
+from jdp.core._layers import layer, layer_policy
 from jdp.core._mesh import AXIS, batch_sharded, mesh, place, replicated
 from jdp.core._state import TrainState, broadcast, divisible_rows, shard, unshard
 from jdp.core._step import (
@@ -33,8 +34,8 @@ from jdp.core._step import (
 )
 from jdp.core._zero import is_sharded, logical_opt_state
 
-__all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "mesh", "reduce_gradients", "shard",
-           "train_step", "unshard",
+__all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "layer", "layer_policy", "mesh",
+           "reduce_gradients", "shard", "train_step", "unshard",
            # for jdp's other packages
            "StepWindow", "batch_leaves", "batch_sharded", "bool_options", "device_eval_step",
            "device_train_step", "divisible_rows", "is_sharded", "layouts", "leaf_name",

@@ -226,8 +226,10 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
             under `jax.vmap` over the devices and lets the compiler gather each parameter
             where it is used: a model whose layers are scanned (`lax.scan`, `nn.scan`,
             `nnx.scan`, under remat) gathers one layer at a time, forward and backward, and
-            reduces that layer's gradient; an unrolled model is gathered whole. Gradients are
-            reduced in `compute_dtype` (a different `comm_dtype` is refused). HSDP: an int k
+            reduces that layer's gradient; an unrolled model does too when its layers are
+            found (flax linen or NNX submodules, functions marked with `jdp.layer`; the rule:
+            `jdp.layer_policy`), else it is gathered whole. Gradients are reduced in
+            `compute_dtype` (a different `comm_dtype` is refused). HSDP: an int k
             (or "node") splits within groups of k consecutive devices (a node's), replicated
             across groups: gathers and per-layer reductions stay in a group, and the gradient
             shards are summed across the groups once a step (in `comm_dtype`).

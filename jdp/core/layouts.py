@@ -1,12 +1,13 @@
 """Other layouts plug in here, so that the core and the packages above it ask no adapter anything.
 
 The core's own layout is the global one (global arrays on `jdp.mesh()`). An adapter module,
-`jdp.pmap` (the classic stacked form), registers its layout once, when it is imported (`import
-jdp` imports it): its name, how to tell a tree in it, how to put a process's rows in it, and
-how to turn one of its trees into one global copy and back. `jdp.shard(rows, layout=...)`,
-`jdp.data.Loader(layout=...)`, `jdp.broadcast` and the Checkpointer (any layout) find it here
-by name or by tree, so the core imports nothing from the adapter and removing the adapter
-breaks only its own form. The table is written at import only and read after.
+`jdp.pmap` (the classic stacked form), registers its layout once, when it is imported (the
+first numeric name read from `jdp` imports it): its name, how to tell a tree in it, how to put
+a process's rows in it, and how to turn one of its trees into one global copy and back.
+`jdp.shard(rows, layout=...)`, `jdp.data.Loader(layout=...)`, `jdp.broadcast` and the
+Checkpointer (any layout) find it here by name or by tree, so the core imports nothing from
+the adapter and removing the adapter breaks only its own form. The table is written at import
+only and read after.
 """
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def agree_in_store(client: Any, me: Process, topic: str, facts: Sequence[tuple[s
     """Raise on every process unless all passed the same `facts` (see the module docstring).
 
     `client` is JAX's coordination client or anything with its key-value methods (the
-    counting double in `_memstore`).
+    counting double in tests/doubles/memstore.py).
     """
     n = me.rounds[topic] = me.rounds.get(topic, 0) + 1
     now = time.monotonic()
