@@ -176,17 +176,21 @@ class Peers:
 
     def _lose(self, rank: int, failed: str | None,
               how: str = "its connection closed without leaving the job") -> None:
-        """Name the lost (or failed) process, pass it on (process 0), and end this process
-        after GRACE_S."""
+        """Name the lost process, pass it on (process 0), and end this process after GRACE_S;
+        a failed one (its error said) is named only if this process is still there then."""
         me = self.me
-        text = (f"jdp: process {me} stops: process {rank} failed ({failed})" if failed else
-                f"jdp: process {me} lost process {rank} of the job ({how}: it was killed, "
+        for other in list(self.conns) if me == 0 else ():
+            self.send(other, {"lost": rank, "failed": failed})
+        if failed:   # its own error says why: this process speaks only if it would hang
+            time.sleep(GRACE_S)
+            print(f"jdp: process {me} stops: process {rank} failed ({failed})", file=sys.stderr,
+                  flush=True)
+            _run.exit_now(1)
+        text = (f"jdp: process {me} lost process {rank} of the job ({how}: it was killed, "
                 f"crashed or lost its node); process {me} stops too")
         self.lost_text.append(text)
         self.lost_event.set()
         print(text, file=sys.stderr, flush=True)
-        for other in list(self.conns) if me == 0 else ():
-            self.send(other, {"lost": rank, "failed": failed})
         time.sleep(GRACE_S)
         _run.exit_now(1)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import REPO
 from jax import lax
 
 import jdp
@@ -206,8 +207,7 @@ def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
 
 def _lm1b_models():
     """examples/flax_lm1b/models.py, loaded from its path (examples is not a package)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "examples", "flax_lm1b", "models.py")
+    path = os.path.join(REPO, "examples", "flax_lm1b", "models.py")
     spec = importlib.util.spec_from_file_location("lm1b_models", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
