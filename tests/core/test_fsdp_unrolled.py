@@ -363,21 +363,6 @@ def test_a_linen_layer_draws_the_dropout_it_draws_in_place():
     assert_tree_close(*trained)
 
 
-def test_the_unrolled_fsdp_benchmark_measures_every_mode():
-    """benchmarks/fsdp_unrolled.py at a toy size: AdamW's state is twice the parameters, so
-    replicated holds 3 x 4 bytes per parameter at rest (and Adam's int32 count) and FSDP about
-    an eighth of it."""
-    from benchmarks import fsdp_unrolled
-
-    found = fsdp_unrolled.measure(layers=2, width=32, steps=1)
-    assert len(found) == 5
-    replicated = found["replicated"]
-    assert replicated["rest"] == 12 * replicated["params"] + 4
-    per_layer = found["FSDP, one layer at a time (default)"]
-    assert per_layer["rest"] <= replicated["rest"] / 8 * 1.1
-    assert all(f["peak"] > 0 and f["ms"] > 0 for f in found.values())
-
-
 def test_an_nnx_layer_with_batchnorm_and_dropout_threads_its_state_as_in_place():
     """Statistics and random counters go into each gathered layer and come back out: the same
     numbers as the model run without per-layer gathering."""

@@ -240,3 +240,18 @@ def test_the_one_gpu_table_runs_on_one_cpu_device_and_is_exact():
     for r in rows:
         assert all(float(x) > 0 for x in r[2:5]), r
         assert float(r[5]) == 0.0 if r[1].strip() == "float32" else float(r[5]) < 1e-6, r
+
+
+def test_the_unrolled_fsdp_benchmark_measures_every_mode():
+    """benchmarks/fsdp_unrolled.py at a toy size: AdamW's state is twice the parameters, so
+    replicated holds 3 x 4 bytes per parameter at rest (and Adam's int32 count) and FSDP about
+    an eighth of it."""
+    from benchmarks import fsdp_unrolled
+
+    found = fsdp_unrolled.measure(layers=2, width=32, steps=1)
+    assert len(found) == 5
+    replicated = found["replicated"]
+    assert replicated["rest"] == 12 * replicated["params"] + 4
+    per_layer = found["FSDP, one layer at a time (default)"]
+    assert per_layer["rest"] <= replicated["rest"] / 8 * 1.1
+    assert all(f["peak"] > 0 and f["ms"] > 0 for f in found.values())
