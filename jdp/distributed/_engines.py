@@ -147,14 +147,15 @@ def open_mpi(env: Mapping[str, str]) -> Found | None:
     return Found("mpirun", None, None, None, cluster="ompi")
 
 
-def open_mpi_coordinates(timeout_s: float) -> tuple[str, int, int, list[int]]:
-    """(coordinator, process count, process id, local device ids) of an mpirun job, exactly
-    as JAX's own Open MPI detection finds them: asked before joining, so that jdp's roll call
-    (a missing process named, the count agreed, a lost one named) runs under mpirun too."""
+def cluster_coordinates(method: str, timeout_s: float) -> tuple[str, int, int, list[int]]:
+    """(coordinator, process count, process id, local device ids) of an mpirun ("ompi") or
+    srun ("slurm") job, exactly as JAX's own detection finds them: asked before joining, so
+    that jdp's roll call (a missing process named, the count agreed, a lost or finished one
+    named, a peer asked where it is) runs under mpirun and srun too."""
     # Private, for want of a public API: JAX's cluster classes are what
     # jax.distributed.initialize asks when given a cluster_detection_method.
     from jax._src.clusters import ClusterEnv
-    found = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, "ompi",
+    found = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, method,
                                                             int(timeout_s))
     return found[0], found[1], found[2], list(found[3] or [])
 

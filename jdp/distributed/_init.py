@@ -259,8 +259,8 @@ def _meet(plan: _Plan, timeout: int) -> tuple[_Plan, str | None, int]:
     start, bind = time.monotonic(), None
     if plan.coordinator is None and plan.engine == "Ray Train":
         plan = plan._replace(coordinator=_engines.ray_coordinator())
-    if plan.coordinator is None and plan.cluster == "ompi":
-        coordinator, count, pid, local = _engines.open_mpi_coordinates(timeout)
+    if plan.coordinator is None and plan.cluster in ("ompi", "slurm"):
+        coordinator, count, pid, local = _engines.cluster_coordinates(plan.cluster, timeout)
         plan = plan._replace(coordinator=coordinator, num_processes=count, process_id=pid,
                              local_device_ids=plan.local_device_ids or local or None,
                              cluster=None)

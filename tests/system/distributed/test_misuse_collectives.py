@@ -1,14 +1,25 @@
 """The PyTorch habit `if rank == 0:` around a call every process must make, and its cousins:
 named on every process within seconds, the job's exit code nonzero, never a hang, never a
-SIGABRT, never the innocent rank blamed (2 processes x 2 devices under `python -m jdp.launch`).
+SIGABRT, never the innocent rank blamed (2 processes x 2 devices under `python -m jdp.launch`;
+a script that ends early under a real `mpirun -np 2` and `srun -n 2` too).
 
 Each case trains 4 steps an epoch; the misuse comes at the end of the first epoch.
 """
 import re
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import job_env, start_launcher, write_script
+from conftest import (
+    MPIRUN,
+    REPO,
+    child_env,
+    job_env,
+    mpirun_command,
+    start_launcher,
+    write_script,
+)
 
 HABIT = """
     import sys, time
@@ -81,3 +92,25 @@ def test_a_call_not_every_process_makes_is_named_within_seconds(tmp_path, tag, c
     assert ended - min(misuse) < 15 + 3, (ended - min(misuse), err)   # + the launcher's exit
     assert "SIGABRT" not in err and "signal 6" not in err and "Aborted" not in err, err
     assert "lost process" not in err, err   # no rank is blamed for leaving
+
+
+@pytest.mark.parametrize("engine", ["mpirun", "srun"])
+def test_under_mpirun_and_srun_a_script_that_ends_early_is_named_too(tmp_path, tag, engine):
+    """No jdp launcher: the roll call's connections say that process 1's script ended."""
+    from test_fault_slurm import SRUN, slurm_ready
+    if engine == "mpirun" and MPIRUN is None or engine == "srun" and not slurm_ready():
+        pytest.skip(f"{engine} is not installed or not running here")
+    script = write_script(tmp_path, "habit.py", HABIT)
+    env = child_env(2, JDP_TEST_TAG=tag)
+    command = (mpirun_command(script, ["JAX_PLATFORMS", "XLA_FLAGS", "PYTHONPATH",
+                                       "JDP_TEST_TAG"], "script_ends", str(tmp_path))
+               if engine == "mpirun" else
+               [SRUN, "-n", "2", "--overcommit", sys.executable, script, "script_ends",
+                str(tmp_path)])
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert "FINISHED" not in out
+    assert all(w in out for w in CASES["script_ends"]), out
+    assert "SIGABRT" not in out and "signal 6" not in out, out
