@@ -33,7 +33,7 @@ PER_DEVICE, LENGTH, VOCAB = 4, 128, 256
 MiB = 2**20
 
 
-def _models():
+def lm1b_models():
     """examples/flax_lm1b/models.py, loaded from its path (examples is not a package)."""
     path = os.path.join(jobs.REPO, "examples", "flax_lm1b", "models.py")
     spec = importlib.util.spec_from_file_location("lm1b_models", path)
@@ -118,7 +118,7 @@ def _ms(b: dict, batch, steps: int) -> float:
 
 def measure(layers: int = 6, width: int = 512, steps: int = 3) -> dict:
     """{mode: figures} on this process's devices, each mode built after the last is freed."""
-    models = _models()
+    models = lm1b_models()
     config = models.TransformerConfig(
         vocab_size=VOCAB, output_vocab_size=VOCAB, emb_dim=width, qkv_dim=width,
         mlp_dim=4 * width, num_layers=layers, max_len=LENGTH, deterministic=True)

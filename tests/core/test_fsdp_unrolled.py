@@ -7,8 +7,6 @@ Each model is built twice in its test, unrolled and scanned (`lax.scan` / `nn.sc
 `memory_analysis()`: arguments + outputs - aliases + temporaries) within 1.25x of the scanned
 form's under jdp's FSDP, every all-gather in its compiled step holds at most one layer, and 3
 steps equal single-device optax on the global batch."""
-import importlib.util
-import os
 import re
 
 import jax
@@ -16,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO
 from jax import lax
 
 import jdp
+from benchmarks import fsdp_unrolled
 from jdp.core._layers import choose, layer, layer_policy, policy_of
 
 N, L, D, PER = 8, 16, 256, 8   # devices, layers, width, examples per device
@@ -205,61 +203,15 @@ def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
     check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
 
 
-def _lm1b_models():
-    """examples/flax_lm1b/models.py, loaded from its path (examples is not a package)."""
-    path = os.path.join(REPO, "examples", "flax_lm1b", "models.py")
-    spec = importlib.util.spec_from_file_location("lm1b_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def scanned_lm(models):
-    """The same TransformerLM with its layers under `nn.scan` (each under remat)."""
-    import flax.linen as nn
-
-    class ScanBlock(nn.Module):
-        config: models.TransformerConfig
-
-        @nn.compact
-        def __call__(self, y, mask):
-            return models.EncoderDecoder1DBlock(self.config)(y, mask), None
-
-    class Decoder(nn.Module):
-        config: models.TransformerConfig
-
-        @nn.compact
-        def __call__(self, inputs, mask):
-            c = self.config
-            y = nn.Embed(c.output_vocab_size, c.emb_dim,
-                         embedding_init=nn.initializers.normal(1.0))(models.shift_right(inputs))
-            y = models.AddPositionEmbs(config=c, name="posembed_output")(y)
-            y = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0},
-                        split_rngs={"params": True}, in_axes=nn.broadcast,
-                        length=c.num_layers)(c)(y, mask)[0]
-            y = nn.LayerNorm(name="encoderdecoder_norm")(y)
-            return nn.Dense(c.output_vocab_size, kernel_init=c.kernel_init,
-                            bias_init=c.bias_init, name="logitdense")(y)
-
-    class LM(nn.Module):
-        config: models.TransformerConfig
-
-        @nn.compact
-        def __call__(self, inputs):
-            mask = models.decoder_mask(inputs, self.config.dtype)
-            return Decoder(self.config, name="decoder")(inputs, mask)
-    return LM
-
-
 def test_flax_lm1b_transformer_gathers_one_block_at_a_time_with_no_change():
-    models = _lm1b_models()
+    models = fsdp_unrolled.lm1b_models()
     config = models.TransformerConfig(vocab_size=256, output_vocab_size=256, emb_dim=128,
                                       qkv_dim=128, mlp_dim=512, num_heads=4, num_layers=4,
                                       max_len=32, deterministic=True)
     rng = np.random.default_rng(3)
     data = [{"tokens": rng.integers(1, 256, (N * 2, 32)).astype(np.int32)} for _ in range(3)]
     forms = []
-    for net in (models.TransformerLM(config), scanned_lm(models)(config)):
+    for net in (models.TransformerLM(config), fsdp_unrolled.scanned(models)(config)):
         params = net.init(jax.random.key(0), jnp.ones((1, 32), jnp.int32))["params"]
 
         def loss(p, b, net=net):
