@@ -38,6 +38,7 @@ _SOURCES = {
     "data": "jdp.data",
     "eval_step": "jdp.core",
     "evaluate": "jdp.data",
+    "ft": "jdp.ft",
     "get_logger": "jdp.distributed",
     "initialize": "jdp.distributed",
     "launch": "jdp.launch",

@@ -30,6 +30,7 @@ from jdp.core._step import (
     device_train_step,
     eval_step,
     reduce_gradients,
+    split_train_step,
     train_step,
 )
 from jdp.core._zero import is_sharded, logical_opt_state
@@ -40,4 +41,4 @@ __all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "layer", "layer_polic
            "StepWindow", "batch_leaves", "batch_sharded", "bool_options", "device_eval_step",
            "device_train_step", "divisible_rows", "is_sharded", "layouts", "leaf_name",
            "logical_opt_state", "make_step", "not_donated", "one_size", "place", "replicated",
-           "stop_values", "train_options", "trainable"]
+           "split_train_step", "stop_values", "train_options", "trainable"]

@@ -114,12 +114,20 @@ class StepOptions:
 
 
 def _global_train_step(state, batch, stop, *, options: StepOptions):
-    """The step at jit level: gradients per device inside `shard_map`, reduced there, then
-    the optimizer update on global arrays outside it.
+    """The step at jit level: the gradients reduced over the devices (`group_gradients`),
+    then the optimizer update on global arrays (`apply_update`)."""
+    (grads, new_ms, metrics), stop = group_gradients(state, batch, stop, options=options)
+    return (apply_update(state, grads, new_ms, options=options), metrics), stop
 
-    Outside `shard_map` the compiler updates the replicated state without a manual region in
-    the way, and with `shard_optimizer` or `shard_params` it partitions the update over the
-    devices (`jdp/core/_zero.py`).
+
+def group_gradients(state, batch, stop, *, options: StepOptions):
+    """The step's first half: `((grads, new_model_state, metrics), stop)`, the gradients
+    reduced over all of this job's devices and stored as the update takes them (replicated,
+    or split with `shard_optimizer` / `shard_params`).
+
+    Gradients per device inside `shard_map`, reduced there; FSDP and HSDP take theirs at jit
+    level (`_fsdp_gradients`). `jdp.ft` runs this half, reduces its output across replica
+    groups on the host, and then `apply_update`.
     """
     o = options
     mean, comm_dtype, sharded = o.mean, o.comm_dtype, o.shard_optimizer or o.shard_params
@@ -127,7 +135,8 @@ def _global_train_step(state, batch, stop, *, options: StepOptions):
     if o.cast_batch:
         batch = _zero.cast(batch, o.compute_dtype)
     if o.shard_params:
-        return _fsdp_train_step(state, batch, stop, o)
+        grads, new_ms, metrics = _fsdp_gradients(state, batch, stop, o)
+        return (grads, new_ms, metrics), metrics.pop(_grads.STOP)
 
     def per_device(state, batch, stop):
         params = _zero.cast(state.params, o.compute_dtype)
@@ -145,29 +154,32 @@ def _global_train_step(state, batch, stop, *, options: StepOptions):
         per_device, mesh=_mesh.mesh(), in_specs=(state_spec, P(AXIS), P(AXIS)),
         out_specs=(_zero.grad_specs(master) if sharded else P(), P(), P()))(
             state.replace(opt_state=None), batch, stop)
-    state = _zero.apply(state, grads, comm_dtype) if sharded else state.apply_gradients(
-        grads=grads)
+    return (grads, new_ms, metrics), metrics.pop(_grads.STOP)
+
+
+def apply_update(state, grads, new_ms, *, options: StepOptions):
+    """The step's second half: the optimizer update, on the replicated state or, with
+    `shard_optimizer` or `shard_params`, partitioned over the devices (`jdp/core/_zero.py`),
+    and the new model state (BatchNorm statistics) put in its field."""
+    if options.shard_optimizer or options.shard_params:
+        state = _zero.apply(state, grads, options.comm_dtype)
+    else:
+        state = state.apply_gradients(grads=grads)
     field = _grads.model_state_field(state)
-    state = state.replace(**{field: new_ms}) if field else state
-    stop = metrics.pop(_grads.STOP)
-    return (state, metrics), stop
+    return state.replace(**{field: new_ms}) if field else state
 
 
-def _fsdp_train_step(state, batch, stop, options: StepOptions):
-    """FSDP's step, all at jit level: the devices' losses under `jax.vmap` over the stored
-    (split) parameters, so the compiler gathers each layer where it is used
-    (`_grads.mapped_grads`), then the update on the split state (`_zero.apply`)."""
+def _fsdp_gradients(state, batch, stop, options: StepOptions):
+    """FSDP's gradients, all at jit level: the devices' losses under `jax.vmap` over the
+    stored (split) parameters, so the compiler gathers each layer where it is used
+    (`_grads.mapped_grads`); they come back split as the parameters are."""
     params, group = _zero.logical(state.params), _zero.params_group(state.params)
     grads, new_ms, metrics = _grads.mapped_grads(
         state.replace(params=params), batch, stop, mean=options.mean, group=group,
         split_axes=_zero.split_axes(state.params), comm_dtype=options.comm_dtype,
         compute_dtype=options.compute_dtype, **options.loss_options())
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    state = _zero.apply(state, grads, options.comm_dtype)
-    field = _grads.model_state_field(state)
-    state = state.replace(**{field: new_ms}) if field else state
-    stop = metrics.pop(_grads.STOP)
-    return (state, metrics), stop
+    return grads, new_ms, metrics
 
 
 def place_stop(flag: bool) -> jax.Array:
@@ -279,6 +291,33 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     if options.shard_params and model_state_sync is None:
         return _model_state_checked(step)
     return step
+
+
+def split_train_step(loss_fn: Callable, **options: Any) -> tuple:
+    """`jdp.train_step(loss_fn, **options)` in its two halves, for a caller that reduces the
+    gradients further between them (`jdp.ft`, across replica groups).
+
+    Returns:
+        `(gradients, update)`: `gradients(state, batch) -> (grads, new_model_state,
+        metrics)`, dispatched as the whole step is (checked once per signature, announced at
+        its first call, progress recorded; never donating, so a discarded step keeps its
+        state), and `update(state, grads, new_model_state) -> state`, jitted and donating the
+        state when `donate`.
+    """
+    o = StepOptions(loss_fn, **options)
+
+    def check(state, batch):
+        require_job("jdp.train_step")
+        _checks.placed_state(state, o.shard_optimizer, o.shard_params)
+        _checks.global_batch(batch, o.accum_steps)
+
+    announce = _dispatch.collective_call("train_step", "jdp.train_step", False, **o.agreed())
+    gradients = _dispatch.make_step(functools.partial(group_gradients, options=o), check,
+                                    jax.jit, place_stop, max_in_flight=o.max_in_flight,
+                                    train=True, announce=announce)
+    update = jax.jit(functools.partial(apply_update, options=o),
+                     donate_argnums=(0,) if o.donate else ())
+    return gradients, update
 
 
 def _model_state_checked(step: Callable) -> Callable:

@@ -5,4 +5,29 @@ coordinator, processes and devices, any layout inside); across groups one all-re
 gradient per step runs on torchft's process group, reconfigured by its Lighthouse at each
 step's quorum. A group that dies costs the others one discarded step; when its launcher
 restarts it, it heals from a live peer over the network.
+
+The names resolve on first use, so the launcher imports `jdp.ft.lighthouse` without JAX.
+
+    replicas = jdp.ft.Replicas(state, loader)   # loader over jdp.ft.sampler(len(source))
+    step = replicas.train_step(loss_fn)          # jdp.train_step's options
+    for batch in replicas.batches(num_steps):
+        state, metrics = step(state, batch)
 """
+from __future__ import annotations
+
+import importlib
+
+_SOURCES = {"Replicas": "jdp.ft._replicas", "sampler": "jdp.ft._replicas",
+            "lighthouse": "jdp.ft.lighthouse"}
+__all__ = list(_SOURCES)
+
+
+def __getattr__(name: str):
+    """Import the module behind a public name the first time it is read."""
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module 'jdp.ft' has no attribute {name!r}")
+    module = importlib.import_module(source)
+    value = module if source == f"jdp.ft.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value

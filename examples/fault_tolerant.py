@@ -1,0 +1,88 @@
+"""Keep training through a failure: 3 replica groups on torchft (docs/faults.md).
+
+A 2-layer MLP learns a noisy linear map. Each replica group is its own jdp job (here 1
+process x 2 CPU devices); the groups sum their gradients once a step over torchft. Kill any
+group's process and the others go on after one discarded step; its launcher restarts it and it
+heals from a live peer. Needs the `ft` extra (pip install 'jdp[ft]').
+
+    python -m jdp.launch --nproc_per_node 1 --devices_per_process 2 --max_restarts 5 \\
+        --replica_group 0 --replica_groups 3 --ft_lighthouse start examples/fault_tolerant.py &
+    python -m jdp.launch --nproc_per_node 1 --devices_per_process 2 --max_restarts 5 \\
+        --replica_group 1 --replica_groups 3 --ft_lighthouse 127.0.0.1:29510 \\
+        examples/fault_tolerant.py &
+    python -m jdp.launch ... --replica_group 2 ...   # the same as group 1
+"""
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jdp
+import jdp.ft
+
+EXAMPLES, FEATURES = 6144, 16
+
+
+def dataset() -> dict:
+    """The same examples on every group: y = x @ w + noise."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+    w = rng.normal(size=(FEATURES, 1)).astype(np.float32)
+    y = (x @ w + 0.1 * rng.normal(size=(EXAMPLES, 1))).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+def init_params(width: int) -> dict:
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w1": jax.random.normal(k1, (FEATURES, width)) / np.sqrt(FEATURES),
+            "b1": jnp.zeros(width),
+            "w2": jax.random.normal(k2, (width, 1)) / np.sqrt(width), "b2": jnp.zeros(1)}
+
+
+def loss_fn(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] + params["b2"] - batch["y"]) ** 2)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch_size", type=int, default=16, help="per process")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--step_time", type=float, default=0.0,
+                        help="seconds each step lasts at least (to watch a kill)")
+    parser.add_argument("--out", default=None, help="write the final parameters here (.npz)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    jdp.initialize()
+    data = dataset()
+    loader = jdp.data.Loader(data, batch_size=args.batch_size,
+                             sampler=jdp.ft.sampler(EXAMPLES, seed=0), drop_last=True)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=init_params(args.width),
+                                                tx=optax.adam(args.lr)))
+    with jdp.ft.Replicas(state, loader) as replicas:
+        step = replicas.train_step(loss_fn)
+        for batch in replicas.batches(args.steps):
+            began = time.perf_counter()
+            state, metrics = step(state, batch)
+            if replicas.committed and replicas.step % 50 == 0:
+                jdp.print0(f"step {replicas.step}: loss {float(metrics['loss']):.4f} with "
+                           f"groups {replicas.groups}")
+            time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
+        state = replicas.state
+    if args.out and jax.process_index() == 0:
+        params = jax.tree.map(np.asarray, jdp.unshard(state.params))
+        np.savez(args.out, step=int(state.step), **params)
+        jdp.print0(json.dumps({"final_step": int(state.step)}))
+
+
+if __name__ == "__main__":
+    main()

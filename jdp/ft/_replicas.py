@@ -1,0 +1,259 @@
+"""`Replicas`: this replica group's side of a fault-tolerant job.
+
+Each attempt at a step asks torchft for the quorum (the groups alive now), computes this
+group's gradient (`jdp.train_step`'s first half on the group's own devices), sums the
+gradients of the groups in the quorum on the host over torchft's process group, and commits
+the update only if every group's all-reduce succeeded (torchft's `should_commit`). An attempt
+that fails (a group died during it) is discarded by every survivor and redone with the same
+batch in the next quorum. A group that comes back heals from a live peer before it computes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp.core import split_train_step
+from jdp.data import DistributedSampler
+from jdp.distributed import require_job
+from jdp.ft import _coords, _events, _exchange, _manager
+
+START_TIMEOUT_S = 300.0   # a fresh job's first step waits this long for every group
+_SUM, _MEAN = "sum", "mean"
+
+
+class Replicas:
+    """This replica group among the job's groups: the quorum, the exchange, the heal.
+
+    Args:
+        state: the group's train state, as `jdp.broadcast` placed it (any layout); a group
+            that heals replaces it with a live peer's.
+        loader: a `jdp.data.Loader` over `jdp.ft.sampler(...)`: the group's share of every
+            step; its position travels with a heal.
+        group, groups, lighthouse: default: `JDP_REPLICA_GROUP`, `JDP_REPLICA_GROUPS`,
+            `JDP_FT_LIGHTHOUSE` (set by `jdp.launch --replica_group G --replica_groups R
+            --ft_lighthouse ...`).
+        start_timeout: seconds a fresh job's first step waits for all `groups` to join
+            before it starts with those present.
+        quorum_timeout: seconds one quorum may take before the process raises.
+
+    Example (in a script started by `jdp.launch --replica_group G ...`)::
+
+        replicas = jdp.ft.Replicas(state, loader)
+        step = replicas.train_step(loss_fn)
+        for batch in replicas.batches(num_steps):
+            state, metrics = step(state, batch)
+    """
+
+    def __init__(self, state: Any, loader: Any = None, *, group: int | None = None,
+                 groups: int | None = None, lighthouse: str | None = None,
+                 start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0):
+        require_job("jdp.ft.Replicas")
+        self.coords = _coords.coordinates(group, groups, lighthouse)
+        self._state, self.loader = state, loader
+        self.start_timeout = float(start_timeout)
+        self._healed: Any = None      # a peer's state, placed, for the next step call
+        self._batch: Any = None       # the batch of the step under way, kept for a retry
+        self._epochs: Iterator | None = None
+        self._ready = False           # a quorum was held for the attempt the step makes
+        self._began = 0.0             # when the attempt began (its quorum)
+        self.history: list = []       # (step, groups) of every step this group committed
+        self.groups: list = []        # the groups of the last attempt's all-reduce
+        self.committed: bool | None = None
+        primary = jax.process_index() == 0
+        self.events = _events.Events(self.coords.events if primary else None)
+        self._manager, self._pg, self._store = _manager.manager(
+            self.coords, self._state_dict, self._load_state_dict, quorum_timeout)
+        self.events.write("join", group=self.coords.group,
+                          restart=int(os.environ.get("JDP_RESTART_COUNT", 0)))
+
+    @property
+    def step(self) -> int:
+        """Steps committed so far (the same on every group in the quorum)."""
+        return self._manager.current_step()
+
+    @property
+    def state(self) -> Any:
+        """The latest state: after a heal, the peer's."""
+        return self._healed if self._healed is not None else self._state
+
+    def train_step(self, loss_fn: Callable, **options: Any) -> Callable:
+        """`jdp.train_step(loss_fn, **options)` whose gradient is summed over the groups in
+        the quorum: `step(state, batch) -> (state, metrics)`. A discarded attempt returns the
+        state it was given (`replicas.committed` is False); after a heal the step starts
+        from the peer's state, whatever state it is given."""
+        gradients, update = split_train_step(loss_fn, **options)
+        mean = options.get("grad_reduce", "mean") == "mean"
+
+        def step(state, batch):
+            return self._attempt(gradients, update, mean, state, batch)
+        return step
+
+    def batches(self, num_steps: int) -> Iterator:
+        """The group's batch of each step until `num_steps` are committed: a quorum before
+        each (a heal when this group comes back), and the same batch again after a
+        discarded attempt."""
+        if self.loader is None:
+            raise ValueError("Replicas.batches: no loader; pass Replicas(state, loader) with a "
+                             "jdp.data.Loader over jdp.ft.sampler(len(source))")
+        while self.step < num_steps:
+            self._quorum()
+            if self._batch is None:
+                self._batch = self._next_batch()
+            self._ready = True
+            yield self._batch
+            if self._ready:
+                raise RuntimeError("Replicas.batches: a batch went by without a step; call "
+                                   "the step from replicas.train_step once per batch")
+
+    def _next_batch(self) -> Any:
+        if self._epochs is None:
+            self._epochs = _forever(self.loader)
+        return next(self._epochs)
+
+    def _quorum(self) -> None:
+        """torchft's quorum for the next attempt; a fresh job's first step waits until every
+        group has joined (or `start_timeout`)."""
+        began = time.monotonic()
+        while True:
+            self._began = time.perf_counter()
+            self._manager.start_quorum()
+            m = self._manager
+            if m.current_step() > 0 or m.num_participants() >= self.coords.groups:
+                return
+            if time.monotonic() - began > self.start_timeout:
+                warnings.warn(f"jdp.ft: {m.num_participants()} of {self.coords.groups} replica "
+                              f"groups joined within {self.start_timeout:.0f} s; starting "
+                              "with those", stacklevel=3)
+                return
+            time.sleep(0.1)
+
+    def _attempt(self, gradients, update, mean, state, batch):
+        if not self._ready:
+            raise RuntimeError("Replicas: the step ran outside `for batch in "
+                               "replicas.batches(num_steps)`, which holds each step's quorum")
+        self._ready = False
+        if self._healed is not None:
+            state, self._healed = self._healed, None
+        grads, new_ms, metrics = gradients(state, batch)
+        kinds = ((grads, _MEAN if mean else _SUM), (new_ms, _MEAN), (metrics, _MEAN))
+        host = [(_exchange.to_host(tree), kind) for tree, kind in kinds]
+        reduced, self.groups = self._allreduce(host)
+        self.committed = self._manager.should_commit()
+        seconds = time.perf_counter() - self._began
+        if not self.committed:
+            self.events.write("discard", step=self.step + 1, groups=self.groups,
+                              seconds=seconds, error=_error_line(self._manager.errored()))
+            return state, metrics
+        grads, new_ms, metrics = (_exchange.from_host(tree, values)
+                                  for (tree, _), values in zip(kinds, reduced, strict=True))
+        self._state = update(state, grads, new_ms)
+        self._batch = None
+        self.history.append((self.step, self.groups))
+        self.events.write("commit", step=self.step, groups=self.groups, seconds=seconds)
+        return self._state, metrics
+
+    def _allreduce(self, host: list) -> tuple[list, list]:
+        """The trees' float pieces summed over the quorum's groups (the means divided by the
+        number of groups), and which groups took part: a one-hot row of this group's index
+        rides in the same all-reduce, so the sum names them."""
+        import torch
+        from torch.distributed import ReduceOp
+        buffers = [_exchange.pack(_floats(values)) for values, _ in host]
+        member = np.zeros(self.coords.groups, np.float32)
+        member[self.coords.group] = 1
+        tensors = [torch.from_numpy(b) for bufs in buffers for b in bufs.values()]
+        tensors.append(torch.from_numpy(member))
+        works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
+        for work in works:
+            work.wait()
+        if self._manager.errored():
+            # a group died during it: closing this process's links now fails the all-reduce
+            # of every survivor still waiting in it, instead of at the next quorum
+            self._pg.abort()
+        groups = [int(i) for i in np.flatnonzero(member > 0.5)]
+        out = []
+        for (values, kind), bufs in zip(host, buffers, strict=True):
+            if kind == _MEAN:
+                for b in bufs.values():
+                    b /= max(len(groups), 1)
+            out.append(_merge(values, _exchange.unpack(bufs, _floats(values))))
+        return out, groups
+
+    def _state_dict(self) -> dict:
+        """What a healing peer fetches (on torchft's quorum thread, while this process waits
+        in the same quorum): this process's pieces of the state, bitwise, and the loader's
+        position."""
+        return {"state": _exchange.to_wire(_exchange.to_host(self._state)),
+                "loader": self.loader.state_dict() if self.loader is not None else None}
+
+    def _load_state_dict(self, saved: dict) -> None:
+        """A peer's state, placed as this group's own, for the next attempt; the loader moves
+        to the peer's position."""
+        began = time.perf_counter()
+        self._healed = _exchange.from_host(self._state, _exchange.from_wire(saved["state"]))
+        self._state = self._healed
+        if self.loader is not None and saved["loader"] is not None:
+            self.loader.load_state_dict(saved["loader"])
+            self._epochs, self._batch = None, None
+        step = self._manager.current_step()
+        if step > 0:   # a fresh job's first quorum syncs every group: not a heal
+            self.events.write("heal", step=step,
+                              seconds=time.perf_counter() - self._began, place_s=
+                              time.perf_counter() - began)
+
+    def close(self) -> None:
+        """Leave the job: stop this process's torchft servers."""
+        with contextlib.suppress(Exception):
+            self._manager.shutdown(wait=False)
+
+    def __enter__(self) -> Replicas:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def sampler(num_examples: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+            group: int | None = None, groups: int | None = None) -> DistributedSampler:
+    """A `DistributedSampler` over groups x processes: this process reads rank `group *
+    process_count + process_index` of `groups * process_count`, so each group reads its
+    own share of every step and no two groups read the same example."""
+    require_job("jdp.ft.sampler")
+    group, groups = _coords.group_of(group, groups, "jdp.ft.sampler")
+    n = jax.process_count()
+    return DistributedSampler(num_examples, num_replicas=groups * n,
+                              rank=group * n + jax.process_index(), shuffle=shuffle, seed=seed,
+                              drop_last=drop_last)
+
+
+def _forever(loader: Any) -> Iterator:
+    while True:
+        yield from loader
+
+
+def _floats(values: list) -> list:
+    """Per leaf, its pieces when floating (exchanged as float32, or float64), else none."""
+    out = []
+    for pieces in values:
+        dtype = pieces[0].dtype
+        floating = np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
+        wire = np.float64 if dtype == np.float64 else np.float32
+        out.append([v.astype(wire) for v in pieces] if floating else [])
+    return out
+
+
+def _merge(values: list, reduced: list) -> list:
+    """Per leaf, the reduced pieces where it was exchanged, else its own."""
+    return [r if r else v for v, r in zip(values, reduced, strict=True)]
+
+
+def _error_line(error: Any) -> str:
+    return str(getattr(error, "original_exception", error) or "").splitlines()[0][:200] \
+        if error else ""
