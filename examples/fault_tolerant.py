@@ -56,6 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--step_time", type=float, default=0.0,
                         help="seconds each step lasts at least (to watch a kill)")
+    parser.add_argument("--shard_params", type=int, default=0,
+                        help="FSDP within each group over this many devices (0: replicated)")
+    parser.add_argument("--shard_optimizer", action="store_true", help="ZeRO within each group")
     parser.add_argument("--out", default=None, help="write the final parameters here (.npz)")
     return parser.parse_args(argv)
 
@@ -66,10 +69,12 @@ def main(argv=None) -> None:
     data = dataset()
     loader = jdp.data.Loader(data, batch_size=args.batch_size,
                              sampler=jdp.ft.sampler(EXAMPLES, seed=0), drop_last=True)
+    layout = {"shard_params": args.shard_params or False,
+              "shard_optimizer": args.shard_optimizer}
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=init_params(args.width),
-                                                tx=optax.adam(args.lr)))
+                                                tx=optax.adam(args.lr)), **layout)
     with jdp.ft.Replicas(state, loader) as replicas:
-        step = replicas.train_step(loss_fn)
+        step = replicas.train_step(loss_fn, **layout)
         for batch in replicas.batches(args.steps):
             began = time.perf_counter()
             state, metrics = step(state, batch)
@@ -78,8 +83,8 @@ def main(argv=None) -> None:
                            f"groups {replicas.groups}")
             time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
         state = replicas.state
+    params = jax.tree.map(np.asarray, jdp.unshard(state.params))   # every process: a gather
     if args.out and jax.process_index() == 0:
-        params = jax.tree.map(np.asarray, jdp.unshard(state.params))
         np.savez(args.out, step=int(state.step), **params)
         jdp.print0(json.dumps({"final_step": int(state.step)}))
 

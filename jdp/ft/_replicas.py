@@ -57,6 +57,7 @@ class Replicas:
         require_job("jdp.ft.Replicas")
         self.coords = _coords.coordinates(group, groups, lighthouse)
         self._state, self.loader = state, loader
+        self._position = loader.state_dict() if loader is not None else None
         self.start_timeout = float(start_timeout)
         self._healed: Any = None      # a peer's state, placed, for the next step call
         self._batch: Any = None       # the batch of the step under way, kept for a retry
@@ -70,7 +71,7 @@ class Replicas:
         self.events = _events.Events(self.coords.events if primary else None)
         self._manager, self._pg, self._store = _manager.manager(
             self.coords, self._state_dict, self._load_state_dict, quorum_timeout)
-        self.events.write("join", group=self.coords.group,
+        self.events.write("join", group=self.coords.group, pid=os.getpid(),
                           restart=int(os.environ.get("JDP_RESTART_COUNT", 0)))
 
     @property
@@ -155,6 +156,8 @@ class Replicas:
                                   for (tree, _), values in zip(kinds, reduced, strict=True))
         self._state = update(state, grads, new_ms)
         self._batch = None
+        if self.loader is not None:   # the batches of the committed steps, all handed out
+            self._position = self.loader.state_dict()
         self.history.append((self.step, self.groups))
         self.events.write("commit", step=self.step, groups=self.groups, seconds=seconds)
         return self._state, metrics
@@ -189,24 +192,28 @@ class Replicas:
     def _state_dict(self) -> dict:
         """What a healing peer fetches (on torchft's quorum thread, while this process waits
         in the same quorum): this process's pieces of the state, bitwise, and the loader's
-        position."""
-        return {"state": _exchange.to_wire(_exchange.to_host(self._state)),
-                "loader": self.loader.state_dict() if self.loader is not None else None}
+        position after its last committed step (not the batch of a discarded attempt, kept for
+        the retry)."""
+        wire = _exchange.to_wire(_exchange.to_host(self._state))
+        self.events.write("serve", step=self.step, digest=_exchange.digest(wire))
+        return {"state": wire, "loader": self._position}
 
     def _load_state_dict(self, saved: dict) -> None:
         """A peer's state, placed as this group's own, for the next attempt; the loader moves
         to the peer's position."""
         began = time.perf_counter()
         self._healed = _exchange.from_host(self._state, _exchange.from_wire(saved["state"]))
+        digest = _exchange.digest(saved["state"])
         self._state = self._healed
         if self.loader is not None and saved["loader"] is not None:
             self.loader.load_state_dict(saved["loader"])
+            self._position = saved["loader"]
             self._epochs, self._batch = None, None
         step = self._manager.current_step()
         if step > 0:   # a fresh job's first quorum syncs every group: not a heal
-            self.events.write("heal", step=step,
-                              seconds=time.perf_counter() - self._began, place_s=
-                              time.perf_counter() - began)
+            self.events.write("heal", step=step, digest=digest,
+                              seconds=time.perf_counter() - self._began,
+                              place_s=time.perf_counter() - began)
 
     def close(self) -> None:
         """Leave the job: stop this process's torchft servers."""

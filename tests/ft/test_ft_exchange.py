@@ -1,0 +1,97 @@
+"""jdp.ft's host side: a state's pieces to host buffers and back for every layout, the
+all-reduce's packing, the heal's wire form, and the replica coordinates from the
+environment. The expected values are numpy's own arrays of the same state."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from jdp.ft import _coords, _exchange
+
+torch = pytest.importorskip("torch")
+
+
+def _state(**layout):
+    params = {"w": np.arange(24 * 6, dtype=np.float32).reshape(24, 6) / 7,
+              "b": np.arange(6, dtype=np.float32), "n": np.arange(3, dtype=np.int32)}
+    tx = optax.masked(optax.adam(0.1), {"w": True, "b": True, "n": False})
+    return jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=tx), **layout)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jdp.unshard(tree))]
+
+
+@pytest.mark.parametrize("layout", [{}, {"shard_optimizer": True}, {"shard_params": True},
+                                    {"shard_params": 4}], ids=["replicated", "zero", "fsdp",
+                                                               "hsdp"])
+def test_host_pieces_rebuild_the_same_global_arrays(layout):
+    state = _state(**layout)
+    host = _exchange.to_host(state)
+    # one piece per distinct position: a replicated leaf once, a split leaf once per shard
+    sizes = [sum(v.size for v in values) for values in host]
+    assert sizes == [x.size for x in jax.tree.leaves(state)]
+    # refill with doubled floats: each device gets its own piece back, in place
+    doubled = [[v * 2 if np.issubdtype(v.dtype, np.floating) else v for v in values]
+               for values in host]
+    back = _exchange.from_host(state, doubled)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
+        assert got.sharding == want.sharding
+        factor = 2 if jnp.issubdtype(want.dtype, jnp.floating) else 1
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want) * factor)
+
+
+def test_pack_and_unpack_keep_every_piece_in_its_place():
+    host = [[np.ones((2, 3), np.float32), np.full(4, 2, np.float32)], [np.arange(5.0)],
+            [np.full((1, 2), 3, np.float32)]]
+    buffers = _exchange.pack(host)
+    assert sorted(buffers) == ["float32", "float64"]
+    np.testing.assert_array_equal(buffers["float32"], [1] * 6 + [2] * 4 + [3] * 2)
+    buffers["float32"] *= 10
+    out = _exchange.unpack(buffers, host)
+    np.testing.assert_array_equal(out[0][1], np.full(4, 20))
+    np.testing.assert_array_equal(out[2][0], np.full((1, 2), 30))
+    np.testing.assert_array_equal(out[1][0], np.arange(5.0))
+
+
+def test_wire_form_is_bitwise_for_every_dtype_and_digests_tell_states_apart():
+    values = [[np.array([1.5, -0.0, np.nan], jnp.bfloat16)],
+              [np.array([2 ** 31 + 5], np.uint32), np.arange(6, dtype=np.float64).reshape(2, 3)]]
+    wire = _exchange.to_wire(values)
+    back = _exchange.from_wire(wire)
+    for got, want in zip(sum(back, []), sum(values, []), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+    assert _exchange.digest(wire) == _exchange.digest(_exchange.to_wire(back))
+    values[1][1][0, 0] = 1e-300
+    assert _exchange.digest(wire) != _exchange.digest(_exchange.to_wire(values))
+
+
+def test_coordinates_come_from_the_environment_and_bad_ones_are_named(monkeypatch):
+    monkeypatch.setenv("JDP_REPLICA_GROUP", "2")
+    monkeypatch.setenv("JDP_REPLICA_GROUPS", "3")
+    monkeypatch.setenv("JDP_FT_LIGHTHOUSE", "10.0.0.1:29510")
+    assert _coords.coordinates() == (2, 3, "http://10.0.0.1:29510", None)
+    monkeypatch.setenv("JDP_REPLICA_GROUP", "3")
+    with pytest.raises(ValueError, match="replica group 3 of 3 is out of range"):
+        _coords.coordinates()
+    monkeypatch.setenv("JDP_REPLICA_GROUP", "one")
+    with pytest.raises(ValueError, match="JDP_REPLICA_GROUP='one' is not an integer"):
+        _coords.coordinates()
+    monkeypatch.delenv("JDP_FT_LIGHTHOUSE")
+    with pytest.raises(ValueError, match="--ft_lighthouse"):
+        _coords.coordinates(group=0)
+    monkeypatch.delenv("JDP_REPLICA_GROUPS")
+    with pytest.raises(ValueError, match="JDP_REPLICA_GROUPS is not set"):
+        _coords.coordinates(group=0)
+
+
+def test_the_sampler_gives_each_group_its_own_share(monkeypatch):
+    monkeypatch.setenv("JDP_REPLICA_GROUPS", "3")
+    shares = []
+    for group in range(3):
+        monkeypatch.setenv("JDP_REPLICA_GROUP", str(group))
+        shares.append(list(jdp.ft.sampler(30, shuffle=False)))
+    assert shares == [list(range(g, 30, 3)) for g in range(3)]

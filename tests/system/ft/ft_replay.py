@@ -1,0 +1,59 @@
+"""The independent reference for the replica-group tests: single-device optax replaying a
+run's recorded quorum history on the examples each group read at each step."""
+import json
+import pathlib
+
+import jax
+import numpy as np
+import optax
+
+import fault_tolerant as example
+from jdp.data import DistributedSampler
+
+
+def events(path: pathlib.Path) -> list:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def history(event_lists: list) -> dict:
+    """step -> the groups that committed it, merged over every group's record; a step
+    recorded with two different group sets is a failure of the test."""
+    merged: dict = {}
+    for evs in event_lists:
+        for e in evs:
+            if e["event"] == "commit":
+                seen = merged.setdefault(e["step"], e["groups"])
+                assert seen == e["groups"], f"step {e['step']}: groups {seen} and {e['groups']}"
+    return merged
+
+
+def group_batch(group: int, groups: int, step: int, batch_size: int,
+                processes: int = 1) -> np.ndarray:
+    """The example indices group `group` read at `step` (1-based): each of its processes'
+    Loader batch `step - 1` over epochs (drop_last), in process order."""
+    rows = []
+    for p in range(processes):
+        sampler = DistributedSampler(example.EXAMPLES, num_replicas=groups * processes,
+                                     rank=group * processes + p, shuffle=True, seed=0)
+        epoch, b = divmod(step - 1, len(sampler) // batch_size)
+        sampler.set_epoch(epoch)
+        rows.append(np.asarray(list(sampler))[b * batch_size:(b + 1) * batch_size])
+    return np.concatenate(rows)
+
+
+def replay(steps: dict, groups: int, batch_size: int, width: int, lr: float,
+           processes: int = 1) -> dict:
+    """The final parameters of single-device optax (the example's optimizer) on the
+    concatenated batches of each step's groups."""
+    data, params = example.dataset(), example.init_params(width)
+    tx = optax.adam(lr)
+    opt_state = tx.init(params)
+    grad = jax.jit(jax.grad(example.loss_fn))
+    for step in range(1, max(steps) + 1):
+        rows = np.concatenate([group_batch(g, groups, step, batch_size, processes)
+                               for g in steps[step]])
+        g = grad(params, {k: v[rows] for k, v in data.items()})
+        updates, opt_state = tx.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return jax.tree.map(np.asarray, params)
