@@ -156,13 +156,20 @@ def _started(stack: contextlib.ExitStack, port: int, who: str) -> str | None:
     try:
         server = lighthouse.start(port)
     except (ImportError, RuntimeError, OSError) as e:
-        print(f"{who}: --ft_lighthouse start:{port}: the Lighthouse did not start: "
-              f"{str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        _say(f"{who}: --ft_lighthouse start:{port}: the Lighthouse did not start: "
+             f"{str(e).splitlines()[0]}")
         return None
     stack.callback(server.shutdown)
     address = lighthouse.address(server)
-    print(f"{who}: torchft Lighthouse at {address}", file=sys.stderr, flush=True)
+    _say(f"{who}: torchft Lighthouse at {address}")
     return address
+
+
+def _say(text: str) -> None:
+    """One line to stderr in one write: the Lighthouse's own log lines (torchft's, from its
+    threads) must not land inside it."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _events_path(stack: contextlib.ExitStack, logdir: str | None, node: int) -> str:
