@@ -95,7 +95,7 @@ def test_joining_a_lighthouse_gives_every_rank_its_address(tmp_path, given, chec
     c = config(tmp_path, "--replica_group", "1", "--replica_groups", "3", "--nproc_per_node",
                "2", "--ft_lighthouse", given)
     assert c.ft_lighthouse == checked
-    with _ft_opts.running(c, "jdp.launch") as groups:
+    with _ft_opts.running(c, _cli.WHO) as groups:
         envs = [s.env for s in _cli.rank_specs(c, free_port(), 0, groups.env)]
         assert os.path.exists(groups.events)
     for env in envs:
@@ -111,20 +111,20 @@ def test_the_events_file_lives_in_the_logdir_one_per_node(tmp_path, monkeypatch)
     (tmp_path / "logs" / "ft_events.jsonl").write_text('{"event": "old job"}\n')
     c = config(tmp_path, *GROUPS, "--logdir", str(tmp_path / "logs"))
     assert c.ft_lighthouse is None    # inherited: passed through as it is
-    with _ft_opts.running(c, "jdp.launch") as groups:
+    with _ft_opts.running(c, _cli.WHO) as groups:
         assert groups.events == str(tmp_path / "logs" / "ft_events.jsonl")
         assert groups.env["JDP_FT_LIGHTHOUSE"] == "http://127.0.0.1:29600"
     assert (tmp_path / "logs" / "ft_events.jsonl").read_text() == ""   # a new job's file
     port = str(free_port())
     node1 = config(tmp_path, *GROUPS, "--logdir", str(tmp_path / "logs"), "--nnodes", "2",
                    "--node_rank", "1", "--master_port", port)
-    with _ft_opts.running(node1, "jdp.launch") as groups:
+    with _ft_opts.running(node1, _cli.WHO) as groups:
         assert groups.events == str(tmp_path / "logs" / "ft_events.node1.jsonl")
 
 
 def test_no_replica_groups_no_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("JDP_FT_LIGHTHOUSE", "http://127.0.0.1:29600")
-    with _ft_opts.running(config(tmp_path), "jdp.launch") as groups:
+    with _ft_opts.running(config(tmp_path), _cli.WHO) as groups:
         assert groups == _ft_opts.NONE
 
 
@@ -135,7 +135,7 @@ def test_start_runs_a_lighthouse_on_the_default_port_of_jdp_ft(tmp_path, capsys)
     assert _ft_opts._checked("start") == f"start:{lighthouse.DEFAULT_PORT}"   # 29510 may be busy
     port = free_port()
     c = config(tmp_path, *GROUPS, "--ft_lighthouse", f"start:{port}")
-    with _ft_opts.running(c, "jdp.launch") as groups:
+    with _ft_opts.running(c, _cli.WHO) as groups:
         address = f"http://{socket.gethostname()}:{port}"
         assert groups.env["JDP_FT_LIGHTHOUSE"] == address
         assert f"jdp.launch: torchft Lighthouse at {address}" in capsys.readouterr().err

@@ -3,7 +3,9 @@ number below is worked out by hand from the hand-written events."""
 import json
 
 # private: the launcher's summary of the events has no public name
-from jdp.launch import _ft
+from jdp.launch import _cli, _ft
+
+WHO = _cli.WHO   # jdp.launch
 
 T = 1000.0
 
@@ -82,7 +84,7 @@ def test_two_discards_before_one_commit_are_two_failures_with_the_same_stall():
 
 
 def test_the_line_says_it_all_in_one_line():
-    line = _ft.line("jdp.launch", _ft.section(EVENTS, 1, 3))
+    line = _ft.line(WHO, _ft.section(EVENTS, 1, 3))
     assert line == ("jdp.launch: ft group 1 of 3: 8 steps committed (3 with fewer groups), "
                     "2 discarded, 1 heal (0.4 s at step 7), stalls 3.5 s (1.5 s, 2.0 s, none "
                     "after step 9 (no later commit))")
@@ -90,14 +92,14 @@ def test_the_line_says_it_all_in_one_line():
 
 def test_the_line_of_a_quiet_run():
     ft = _ft.section([commit(1, [0, 1], 0.5, 1.0)], group=0, groups=2)
-    assert _ft.line("jdp.launch", ft) == ("jdp.launch: ft group 0 of 2: 1 step committed "
+    assert _ft.line(WHO, ft) == ("jdp.launch: ft group 0 of 2: 1 step committed "
                                           "(0 with fewer groups), 0 discarded, 0 heals, "
                                           "no stalls")
 
 
 def test_the_line_of_one_failure_gives_its_stall_alone():
     ft = _ft.section(EVENTS[:6], group=1, groups=3)
-    assert _ft.line("jdp.launch", ft).endswith(", 1 discarded, 0 heals, stalls 1.5 s")
+    assert _ft.line(WHO, ft).endswith(", 1 discarded, 0 heals, stalls 1.5 s")
 
 
 def summary(steps, lost, wall=10.0):
