@@ -139,3 +139,18 @@ def test_start_runs_a_lighthouse_on_the_default_port_of_jdp_ft(tmp_path, capsys)
         address = f"http://{socket.gethostname()}:{port}"
         assert groups.env["JDP_FT_LIGHTHOUSE"] == address
         assert f"jdp.launch: torchft Lighthouse at {address}" in capsys.readouterr().err
+
+
+def test_a_lighthouse_that_cannot_start_is_said_in_one_line(tmp_path, capsys):
+    pytest.importorskip("torchft")
+    port = free_port()
+    c = config(tmp_path, *GROUPS, "--ft_lighthouse", f"start:{port}")   # free when checked
+    with socket.socket() as busy:                                        # taken since
+        busy.bind(("0.0.0.0", port))
+        busy.listen()
+        with _ft_opts.running(c, _cli.WHO) as groups:
+            assert groups is None
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"jdp.launch: --ft_lighthouse start:{port}: the Lighthouse did not "
+                           "start: "), line
+    assert "\n" not in line
