@@ -371,7 +371,7 @@ def _finish(config: LaunchConfig, ledger: _goodput.Ledger, groups: _ft_opts.Grou
                      config.replica_groups)
     ledger.finish(lambda summary: _ft.amend(summary, ft))
     if ft is not None:
-        print(_ft.line(WHO, ft), file=sys.stderr, flush=True)
+        _ft_opts.say(_ft.line(WHO, ft))
 
 
 @contextlib.contextmanager

@@ -132,8 +132,9 @@ def line(who: str, ft: dict) -> str:
     1 heal (0.4 s at step 81), stalls 1.1 s'."""
     heals = ft["heals"]
     text = (f"{who}: ft group {ft['group']} of {ft['groups']}: {ft['committed']} "
-            f"step{'' if ft['committed'] == 1 else 's'} committed ({ft['fewer_groups_steps']} with fewer groups), {ft['discarded']} "
-            f"discarded, {len(heals)} heal{'' if len(heals) == 1 else 's'}")
+            f"step{'' if ft['committed'] == 1 else 's'} committed ({ft['fewer_groups_steps']} "
+            f"with fewer groups), {ft['discarded']} discarded, "
+            f"{len(heals)} heal{'' if len(heals) == 1 else 's'}")
     if heals:
         text += " (" + _listed([f"{h['seconds']:.1f} s at step {h['step']}" for h in heals]) + ")"
     return text + ", " + _stalls(ft["failures"])

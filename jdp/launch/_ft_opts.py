@@ -156,16 +156,16 @@ def _started(stack: contextlib.ExitStack, port: int, who: str) -> str | None:
     try:
         server = lighthouse.start(port)
     except (ImportError, RuntimeError, OSError) as e:
-        _say(f"{who}: --ft_lighthouse start:{port}: the Lighthouse did not start: "
+        say(f"{who}: --ft_lighthouse start:{port}: the Lighthouse did not start: "
              f"{str(e).splitlines()[0]}")
         return None
     stack.callback(server.shutdown)
     address = lighthouse.address(server)
-    _say(f"{who}: torchft Lighthouse at {address}")
+    say(f"{who}: torchft Lighthouse at {address}")
     return address
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     """One line to stderr in one write: the Lighthouse's own log lines (torchft's, from its
     threads) must not land inside it."""
     sys.stderr.write(text + "\n")
