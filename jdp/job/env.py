@@ -33,6 +33,14 @@ PROFILE_STEPS = "JDP_PROFILE_STEPS"   # "A:B": trace training steps A..B on ever
 PROFILE_DIR = "JDP_PROFILE_DIR"       # where the ranks write their traces (rank.K below it)
 COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 
+# Fault-tolerant replica groups (jdp.ft): set by `jdp.launch --replica_group G --replica_groups
+# R [--ft_lighthouse ...]`, by the user under srun/mpirun.
+REPLICA_GROUP = "JDP_REPLICA_GROUP"      # this group's index, 0..R-1
+REPLICA_GROUPS = "JDP_REPLICA_GROUPS"    # the job's number of replica groups R
+FT_LIGHTHOUSE = "JDP_FT_LIGHTHOUSE"      # torchft's Lighthouse: http://HOST:PORT
+FT_EVENTS = "JDP_FT_EVENTS"              # the JSON-lines file the group's process 0 appends
+                                         # its events to (join, commit, discard, heal)
+
 # Between a supervisor and its ranks (internal).
 PROGRESS_FILE = "JDP_PROGRESS_FILE"       # the rank's progress slot (_progress.py)
 DEVICES_PER_PROCESS = "JDP_DEVICES_PER_PROCESS"   # --devices_per_process, to check XLA_FLAGS

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from jdp.job import env as _env
 from jdp.job import net as _net
 from jdp.job.outcome import Job, Outcome
-from jdp.launch import _goodput, _profile_opts, _rounds, _supervisor
+from jdp.launch import _ft, _ft_opts, _goodput, _profile_opts, _rounds, _supervisor
 from jdp.launch._config import LaunchConfig
 
 WHO = "jdp.launch"
@@ -50,6 +50,8 @@ environment of each process:
   JAX_COMPILATION_CACHE_DIR  shared by all processes, so a restart loads its compiled steps:
                      DIR/compilation_cache with --logdir DIR, else a temporary directory
                      removed at exit; set it yourself to keep one, or --compilation_cache off
+  JDP_REPLICA_GROUP, JDP_REPLICA_GROUPS, JDP_FT_LIGHTHOUSE, JDP_FT_EVENTS
+                     with --replica_groups: see 'replica groups' below
   jdp.initialize also reads JDP_INIT_TIMEOUT (60), JDP_HEARTBEAT_TIMEOUT (30) and
   JDP_SHUTDOWN_TIMEOUT (300) seconds from the environment you launch with.
 
@@ -96,6 +98,15 @@ stop requests (preemption): SIGTERM to the launcher is forwarded to every rank; 
   running --stop_grace S later (default 30, or JDP_STOP_GRACE) are killed; the launcher exits
   143 and does not restart. SIGTERM to one rank stops the whole job the same way (exit 0 when
   every rank then exits 0). SIGINT is forwarded, SIGKILL after 3 s.
+
+replica groups (--replica_group G --replica_groups R, --ft_lighthouse): a fault-tolerant job
+  of R groups, each its own job started by its own launcher (any --nnodes, --max_restarts);
+  across groups torchft's Lighthouse decides each step's quorum, so a group that dies costs
+  the others one step. `--ft_lighthouse start` runs the Lighthouse in this launcher for its
+  whole life (its ranks' restarts included); the others join it with HOST:PORT. The group's
+  process 0 appends its events (commits, discarded steps, heals) to JDP_FT_EVENTS
+  (DIR/ft_events.jsonl with --logdir); at the end the launcher prints one line of them and adds
+  them to summary.json ("ft"). See docs/faults.md.
 
 exit status: 0 when every process exits 0; the failed rank's status; 124 when the progress
 watchdog stopped the job; 128+N after signal N to the launcher; 2 for bad arguments.
@@ -152,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices_per_process", type=int, default=None, metavar="k",
                    help="give each process k simulated CPU devices (testing without GPUs)")
     _profile_opts.add_argument(p)
+    _ft_opts.add_arguments(p)
     p.add_argument("script", help="the training script (or module with -m, program with\n"
                                   "--no_python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
@@ -164,7 +176,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     The checked values, frozen, are what the launcher reads from then on."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if problem := _problem(args) or _values_problem(args):
+    if problem := _problem(args) or _values_problem(args) or _ft_opts.problem(args):
         parser.error(problem)
     return LaunchConfig.from_args(args)
 
@@ -324,12 +336,16 @@ def launch(config: LaunchConfig) -> int:
               config.progress_timeout)
     limits = _supervisor.Limits(stop_grace_s=config.stop_grace,
                                 progress_timeout_s=config.progress_timeout)
-    with _compilation_cache(config) as cache_env:
+    with _compilation_cache(config) as cache_env, _ft_opts.running(config, WHO) as groups:
+        if groups is None:   # the Lighthouse did not start (said why)
+            return 1
+
         def run_round(r: int, place: _rounds.Round) -> Outcome:
             port = config.master_port or _net.free_port(config.master_addr)   # fresh per round
             output = _supervisor.Output(config.logdir, append=r > 0,
                                         console=not config.redirect_stdout_and_stderr)
-            env = {**cache_env, **_profile_opts.rank_env(config.profile_steps, config.logdir)}
+            env = {**cache_env, **_profile_opts.rank_env(config.profile_steps, config.logdir),
+                   **groups.env}
             return _supervisor.run(rank_specs(config, port, r, env, place), output, limits,
                                    place.stop, ledger, place.drain)
 
@@ -338,11 +354,24 @@ def launch(config: LaunchConfig) -> int:
         _profile_opts.say(WHO, _profile_opts.no_directory(config.profile_steps, config.logdir))
         status = _rounds.run(job, config.max_restarts, rdzv, run_round, config.min_nodes,
                              config.rdzv_timeout, ledger)
-        ledger.finish()
+        _finish(config, ledger, groups)
         if status == 0:
             _profile_opts.say(WHO, _profile_opts.no_trace(config.profile_steps, config.logdir,
                                                           ledger.steps_run()))
         return status
+
+
+def _finish(config: LaunchConfig, ledger: _goodput.Ledger, groups: _ft_opts.Groups) -> None:
+    """Print (and with --logdir write) the job's summary; with replica groups, its "ft"
+    section of the group's events, and their line."""
+    if groups.events is None:
+        ledger.finish()
+        return
+    ft = _ft.section(_ft.read_events(groups.events), config.replica_group,
+                     config.replica_groups)
+    ledger.finish(lambda summary: _ft.amend(summary, ft))
+    if ft is not None:
+        _ft_opts.say(_ft.line(WHO, ft))
 
 
 @contextlib.contextmanager

@@ -34,6 +34,9 @@ class LaunchConfig:
     no_python: bool = False
     compilation_cache: str | None = None
     profile_steps: str | None = None
+    replica_group: int | None = None   # --replica_group G of --replica_groups R (None: no FT)
+    replica_groups: int | None = None
+    ft_lighthouse: str | None = None   # "start:PORT", "http://HOST:PORT", or None (inherited)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LaunchConfig:

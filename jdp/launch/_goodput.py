@@ -329,11 +329,12 @@ class Ledger:
         if self.per_rank:
             print(self.line(), file=sys.stderr, flush=True)
 
-    def finish(self) -> dict | None:
-        """At the job's end: print the line; write LOGDIR/summary.json and the metrics."""
+    def finish(self, amend=None) -> dict | None:
+        """At the job's end: print the line; write LOGDIR/summary.json and the metrics.
+        `amend` (summary -> summary) adds what the ranks recorded elsewhere (`_ft.amend`)."""
         if not self.per_rank:
             return None
-        s = self.summary()
+        s = self.summary() if amend is None else amend(self.summary())
         print(self.line(s), file=sys.stderr, flush=True)
         if self.logdir:
             write(self.logdir, s, self.node, self._writer)
