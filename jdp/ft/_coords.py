@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-GROUP, GROUPS, LIGHTHOUSE, EVENTS = ("JDP_REPLICA_GROUP", "JDP_REPLICA_GROUPS",
-                                     "JDP_FT_LIGHTHOUSE", "JDP_FT_EVENTS")
+from jdp.job import env as _env
+
+GROUP, GROUPS = _env.REPLICA_GROUP, _env.REPLICA_GROUPS
+LIGHTHOUSE, EVENTS = _env.FT_LIGHTHOUSE, _env.FT_EVENTS
 _HOW = ("start each group with jdp.launch --replica_group G --replica_groups R --ft_lighthouse "
         f"start|HOST:PORT, or set {GROUP}, {GROUPS} and {LIGHTHOUSE} under another engine")
 
