@@ -3,11 +3,11 @@ run's recorded quorum history on the examples each group read at each step."""
 import json
 import pathlib
 
+import fault_tolerant as example
 import jax
 import numpy as np
 import optax
 
-import fault_tolerant as example
 from jdp.data import DistributedSampler
 
 

@@ -4,11 +4,10 @@ batches of the groups (any layout inside a group, groups of one or two processes
 import subprocess
 import sys
 
+import ft_replay
 import numpy as np
 import pytest
 from conftest import REPO, child_env, finish, free_port
-
-import ft_replay
 
 pytest.importorskip("torchft")
 EXAMPLE = f"{REPO}/examples/fault_tolerant.py"

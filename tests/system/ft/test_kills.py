@@ -1,0 +1,112 @@
+"""A lost replica costs one step: 3 replica groups under real launchers (`jdp.launch
+--replica_group G --replica_groups 3`, the Lighthouse started by group 0's launcher), the
+worker of a random group SIGKILLed at random steps 5 times, every group at least once (group
+0's, whose launcher holds the Lighthouse, included).
+
+What must hold: no survivor restarts (each group's worker ids change exactly at its own
+kills), the job finishes, every heal arrives bitwise (the healed state's digest equals the one
+its live source served at that step), and the final parameters of every group are the same
+bits and equal single-device optax replaying the recorded quorum history (1e-6).
+"""
+import json
+import os
+import random
+import signal
+import time
+
+import ft_replay
+import numpy as np
+import pytest
+from conftest import REPO, free_port, job_env, start_launcher
+
+pytest.importorskip("torchft")
+GROUPS, STEPS, BATCH, WIDTH, LR = 3, 1500, 8, 32, 0.01
+
+
+def launch_groups(tmp_path, tag, lighthouse_port):
+    procs = []
+    for g in range(GROUPS):
+        where = f"start:{lighthouse_port}" if g == 0 else f"127.0.0.1:{lighthouse_port}"
+        args = ["--nproc_per_node", 1, "--devices_per_process", 2, "--max_restarts", 5,
+                "--replica_group", g, "--replica_groups", GROUPS, "--ft_lighthouse", where,
+                "--logdir", tmp_path / f"g{g}", f"{REPO}/examples/fault_tolerant.py",
+                "--steps", STEPS, "--step_time", 0.02, "--batch_size", BATCH,
+                "--width", WIDTH, "--lr", LR, "--out", tmp_path / f"p{g}.npz"]
+        out = open(tmp_path / f"launcher{g}.log", "w")
+        procs.append(start_launcher(args, job_env(tag, RUST_LOG="warn"), stdout=out,
+                                    stderr=out))
+        if g == 0:
+            time.sleep(3)   # the Lighthouse comes up with the first launcher
+    return procs
+
+
+def group_events(tmp_path, g):
+    return ft_replay.events(tmp_path / f"g{g}" / "ft_events.jsonl")
+
+
+def steady_pids(tmp_path, killed: set, timeout: float = 120) -> dict:
+    """Each group's worker pid, once every group has a worker that was not killed and that
+    committed 10 steps since it joined (a restarted group has healed and trains again)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = {}
+        for g in range(GROUPS):
+            events = group_events(tmp_path, g)
+            joins = [e for e in events if e["event"] == "join"]
+            if not joins or joins[-1]["pid"] in killed or sum(e["event"] == "commit" and e["time"] > joins[-1]["time"]
+                                for e in events) < 10:
+                break
+            pids[g] = joins[-1]["pid"]
+        else:
+            return pids
+        time.sleep(0.1)
+    raise AssertionError("the groups never all trained again")
+
+
+def kill_five_times(tmp_path, rng) -> list:
+    """SIGKILL the worker of a random group 5 times, each group at least once."""
+    order = rng.sample(range(GROUPS), GROUPS) + [rng.randrange(GROUPS) for _ in range(2)]
+    kills = []
+    for g in order:
+        pid = steady_pids(tmp_path, {k["pid"] for k in kills})[g]
+        time.sleep(rng.uniform(0.2, 1.5))   # at a random step
+        os.kill(pid, signal.SIGKILL)
+        kills.append({"group": g, "pid": pid, "time": time.time()})
+    return kills
+
+
+def test_five_kills_cost_steps_not_restarts_and_heals_arrive_bitwise(tmp_path, tag):
+    rng = random.Random(42)
+    procs = launch_groups(tmp_path, tag, free_port())
+    try:
+        kills = kill_five_times(tmp_path, rng)
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"launcher{g}.log").read_text() for g in range(GROUPS)]
+    assert codes == [0] * GROUPS, logs
+    events = [group_events(tmp_path, g) for g in range(GROUPS)]
+    for g in range(GROUPS):   # workers change only at their own kills: survivors never restart
+        pids = [e["pid"] for e in events[g] if e["event"] == "join"]
+        killed = [k["pid"] for k in kills if k["group"] == g]
+        assert pids[:-1] == killed and len(set(pids)) == len(pids), (g, pids, killed)
+    served = {(e["step"], e["digest"]) for evs in events for e in evs if e["event"] == "serve"}
+    heals = [e for evs in events for e in evs if e["event"] == "heal"]
+    assert len(heals) >= 5
+    for heal in heals:
+        assert (heal["step"], heal["digest"]) in served, heal
+    history = ft_replay.history(events)
+    assert sorted(history) == list(range(1, STEPS + 1))
+    assert any(len(groups) < GROUPS for groups in history.values())
+    want = ft_replay.replay(history, GROUPS, BATCH, WIDTH, LR)
+    finals = [np.load(tmp_path / f"p{g}.npz") for g in range(GROUPS)]
+    for name, value in want.items():
+        for final in finals:
+            assert final[name].tobytes() == finals[0][name].tobytes()
+            np.testing.assert_allclose(final[name], value, atol=1e-6, rtol=0)
+    for g in range(GROUPS):
+        summary = json.loads((tmp_path / f"g{g}" / "summary.json").read_text())["ft"]
+        assert summary["committed"] == sum(e["event"] == "commit" for e in events[g])
+    print(json.dumps(kills))
