@@ -53,8 +53,10 @@ def steady_pids(tmp_path, killed: set, timeout: float = 120) -> dict:
         for g in range(GROUPS):
             events = group_events(tmp_path, g)
             joins = [e for e in events if e["event"] == "join"]
-            if not joins or joins[-1]["pid"] in killed or sum(e["event"] == "commit" and e["time"] > joins[-1]["time"]
-                                for e in events) < 10:
+            if not joins or joins[-1]["pid"] in killed:
+                break
+            if sum(e["event"] == "commit" and e["time"] > joins[-1]["time"]
+                   for e in events) < 10:
                 break
             pids[g] = joins[-1]["pid"]
         else:
