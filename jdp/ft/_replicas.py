@@ -194,8 +194,10 @@ class Replicas:
         in the same quorum): this process's pieces of the state, bitwise, and the loader's
         position after its last committed step (not the batch of a discarded attempt, kept for
         the retry)."""
+        began = time.time()
         wire = _exchange.to_wire(_exchange.to_host(self._state))
-        self.events.write("serve", step=self.step, digest=_exchange.digest(wire))
+        self.events.write("serve", step=self.step, digest=_exchange.digest(wire),
+                          began=began)
         return {"state": wire, "loader": self._position}
 
     def _load_state_dict(self, saved: dict) -> None:

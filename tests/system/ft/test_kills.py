@@ -23,15 +23,15 @@ pytest.importorskip("torchft")
 GROUPS, STEPS, BATCH, WIDTH, LR = 3, 1500, 8, 32, 0.01
 
 
-def launch_groups(tmp_path, tag, lighthouse_port):
+def launch_groups(tmp_path, tag, lighthouse_port, steps=STEPS, width=WIDTH):
     procs = []
     for g in range(GROUPS):
         where = f"start:{lighthouse_port}" if g == 0 else f"127.0.0.1:{lighthouse_port}"
         args = ["--nproc_per_node", 1, "--devices_per_process", 2, "--max_restarts", 5,
                 "--replica_group", g, "--replica_groups", GROUPS, "--ft_lighthouse", where,
                 "--logdir", tmp_path / f"g{g}", f"{REPO}/examples/fault_tolerant.py",
-                "--steps", STEPS, "--step_time", 0.02, "--batch_size", BATCH,
-                "--width", WIDTH, "--lr", LR, "--out", tmp_path / f"p{g}.npz"]
+                "--steps", steps, "--step_time", 0.02, "--batch_size", BATCH,
+                "--width", width, "--lr", LR, "--out", tmp_path / f"p{g}.npz"]
         out = open(tmp_path / f"launcher{g}.log", "w")
         procs.append(start_launcher(args, job_env(tag, RUST_LOG="warn"), stdout=out,
                                     stderr=out))
@@ -77,11 +77,11 @@ def kill_five_times(tmp_path, rng) -> list:
     return kills
 
 
-def test_five_kills_cost_steps_not_restarts_and_heals_arrive_bitwise(tmp_path, tag):
-    rng = random.Random(42)
-    procs = launch_groups(tmp_path, tag, free_port())
+def run_job(tmp_path, tag, kill, **sizes):
+    """The three groups' launchers, `kill(tmp_path)` while they run; their events."""
+    procs = launch_groups(tmp_path, tag, free_port(), **sizes)
     try:
-        kills = kill_five_times(tmp_path, rng)
+        kills = kill(tmp_path)
         codes = [p.wait(timeout=400) for p in procs]
     finally:
         for p in procs:
@@ -89,26 +89,80 @@ def test_five_kills_cost_steps_not_restarts_and_heals_arrive_bitwise(tmp_path, t
                 p.kill()
     logs = [(tmp_path / f"launcher{g}.log").read_text() for g in range(GROUPS)]
     assert codes == [0] * GROUPS, logs
-    events = [group_events(tmp_path, g) for g in range(GROUPS)]
+    return kills, [group_events(tmp_path, g) for g in range(GROUPS)]
+
+
+def check_heals_and_replay(tmp_path, events, steps=STEPS, width=WIDTH, replay=True):
+    """Every heal's digest is one a live source served at that step; every step committed
+    once with one group set; the final parameters the same bits on every group and (`replay`)
+    equal to single-device optax replaying that history."""
+    served = {(e["step"], e["digest"]) for evs in events for e in evs if e["event"] == "serve"}
+    heals = [e for evs in events for e in evs if e["event"] == "heal"]
+    for heal in heals:
+        assert (heal["step"], heal["digest"]) in served, heal
+    history = ft_replay.history(events)
+    assert sorted(history) == list(range(1, steps + 1))
+    finals = [np.load(tmp_path / f"p{g}.npz") for g in range(GROUPS)]
+    for name in finals[0].files:
+        assert all(final[name].tobytes() == finals[0][name].tobytes() for final in finals)
+    if replay:
+        want = ft_replay.replay(history, GROUPS, BATCH, width, LR)
+        for name, value in want.items():
+            np.testing.assert_allclose(finals[0][name], value, atol=1e-6, rtol=0)
+    return heals, history
+
+
+def test_five_kills_cost_steps_not_restarts_and_heals_arrive_bitwise(tmp_path, tag):
+    rng = random.Random(42)
+    kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng))
     for g in range(GROUPS):   # workers change only at their own kills: survivors never restart
         pids = [e["pid"] for e in events[g] if e["event"] == "join"]
         killed = [k["pid"] for k in kills if k["group"] == g]
         assert pids[:-1] == killed and len(set(pids)) == len(pids), (g, pids, killed)
-    served = {(e["step"], e["digest"]) for evs in events for e in evs if e["event"] == "serve"}
-    heals = [e for evs in events for e in evs if e["event"] == "heal"]
+    heals, history = check_heals_and_replay(tmp_path, events)
     assert len(heals) >= 5
-    for heal in heals:
-        assert (heal["step"], heal["digest"]) in served, heal
-    history = ft_replay.history(events)
-    assert sorted(history) == list(range(1, STEPS + 1))
     assert any(len(groups) < GROUPS for groups in history.values())
-    want = ft_replay.replay(history, GROUPS, BATCH, WIDTH, LR)
-    finals = [np.load(tmp_path / f"p{g}.npz") for g in range(GROUPS)]
-    for name, value in want.items():
-        for final in finals:
-            assert final[name].tobytes() == finals[0][name].tobytes()
-            np.testing.assert_allclose(final[name], value, atol=1e-6, rtol=0)
     for g in range(GROUPS):
         summary = json.loads((tmp_path / f"g{g}" / "summary.json").read_text())["ft"]
         assert summary["committed"] == sum(e["event"] == "commit" for e in events[g])
     print(json.dumps(kills))
+
+
+def stop_the_source_of_a_heal(tmp_path) -> list:
+    """Kill group 2's worker; when a peer starts serving it its state, freeze that peer
+    (SIGSTOP: the transfer stalls wherever it is) and kill it half a second later."""
+    pids = steady_pids(tmp_path, set())
+    os.kill(pids[2], signal.SIGKILL)
+    killed = time.time()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for g in (0, 1):
+            if any(e["event"] == "serve" and e["time"] > killed and e["step"] > 0
+                   for e in group_events(tmp_path, g)):   # the peer's state is on its way
+                os.kill(pids[g], signal.SIGSTOP)
+                time.sleep(0.5)
+                os.kill(pids[g], signal.SIGKILL)
+                return [{"group": 2, "pid": pids[2], "time": killed},
+                        {"group": g, "pid": pids[g], "time": time.time(), "source": True}]
+        time.sleep(0.005)
+    raise AssertionError("no peer served group 2's heal")
+
+
+def test_a_heal_whose_source_dies_mid_transfer_heals_from_another_peer(tmp_path, tag):
+    """Group 2 restarts; the peer serving its heal is frozen and killed while the state is on
+    its way. Group 2 then heals from the other peer (or, when the transfer had finished
+    before the freeze, from the first), bitwise either way, and the job ends with one state."""
+    # a state of 14 MB with adam's moments, so the transfer lasts long enough to be cut; at
+    # this width float32 rounding alone moves 500 adam steps by 1e-3 from a single-device
+    # replay (a run without kills does too), so the test compares the groups' bits instead
+    steps, width = 500, 65536
+    kills, events = run_job(tmp_path, tag, stop_the_source_of_a_heal, steps=steps, width=width)
+    check_heals_and_replay(tmp_path, events, steps, width, replay=False)
+    source, restarted = kills[1]["group"], kills[0]["time"]
+    heals = [h for h in events[2] if h["event"] == "heal" and h["time"] > restarted]
+    assert heals, events[2]   # group 2 healed after its restart
+    cut = [e for e in events[2] if e["event"] == "discard" and e["time"] > restarted]
+    by = {g for g in (0, 1) for e in events[g]
+          if e["event"] == "serve" and (e["step"], e["digest"]) == (heals[0]["step"],
+                                                                     heals[0]["digest"])}
+    print(json.dumps({"source": source, "healed_from": sorted(by), "cut_attempts": len(cut)}))
