@@ -152,9 +152,9 @@ def test_a_heal_whose_source_dies_mid_transfer_heals_from_another_peer(tmp_path,
     """Group 2 restarts; the peer serving its heal is frozen and killed while the state is on
     its way. Group 2 then heals from the other peer (or, when the transfer had finished
     before the freeze, from the first), bitwise either way, and the job ends with one state."""
-    # a state of 14 MB with adam's moments, so the transfer lasts long enough to be cut; at
-    # this width float32 rounding alone moves 500 adam steps by 1e-3 from a single-device
-    # replay (a run without kills does too), so the test compares the groups' bits instead
+    # a state of 14 MB with adam's moments, so the transfer lasts long enough to be cut. At
+    # such widths float32 rounding alone takes adam far from a single-device replay (1e-3
+    # after 900 steps at width 16384, in a run without kills), so the groups' bits are compared
     steps, width = 500, 65536
     kills, events = run_job(tmp_path, tag, stop_the_source_of_a_heal, steps=steps, width=width)
     check_heals_and_replay(tmp_path, events, steps, width, replay=False)
