@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, free_port, job_env, start_launcher
 
 pytest.importorskip("torchft")
-GROUPS, STEPS, BATCH, WIDTH, LR = 3, 1500, 8, 32, 0.01
+GROUPS, STEPS, BATCH, WIDTH, LR = 3, 900, 8, 32, 0.01
 
 
 def launch_groups(tmp_path, tag, lighthouse_port, steps=STEPS, width=WIDTH):
