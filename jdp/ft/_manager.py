@@ -8,8 +8,10 @@ the group's other processes.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -46,6 +48,20 @@ def group_store(host: str):
     return store, port
 
 
+def _quiet_torchft() -> None:
+    """Drop two messages that say nothing on CPU: torchft's note that it cannot reset NCCL's
+    flight recorder (at every new quorum) and torch's warning that a healed buffer arrived
+    read-only (it is copied into the group's devices at once)."""
+    log = logging.getLogger("torchft.manager")
+    if _no_flight_recorder not in log.filters:
+        log.addFilter(_no_flight_recorder)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def _no_flight_recorder(record: logging.LogRecord) -> bool:
+    return "flight recorder" not in record.getMessage()
+
+
 def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable,
             quorum_timeout_s: float):
     """`(manager, process_group, store)`: a torchft Manager for this process, healing
@@ -55,6 +71,7 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
     and a fresh job's first step syncs every group's state from one of them (`init_sync`).
     """
     os.environ.setdefault("RUST_LOG", "warn")   # torchft's servers log every quorum at info
+    _quiet_torchft()
     _lighthouse.server_class()   # the one-line ImportError without the extra
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo

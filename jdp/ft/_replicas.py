@@ -23,6 +23,7 @@ from jdp.core import split_train_step
 from jdp.data import DistributedSampler
 from jdp.distributed import require_job
 from jdp.ft import _coords, _events, _exchange, _manager
+from jdp.job import env as _env
 
 START_TIMEOUT_S = 300.0   # a fresh job's first step waits this long for every group
 _SUM, _MEAN = "sum", "mean"
@@ -55,6 +56,10 @@ class Replicas:
                  groups: int | None = None, lighthouse: str | None = None,
                  start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0):
         require_job("jdp.ft.Replicas")
+        for name, value in (("start_timeout", start_timeout), ("quorum_timeout", quorum_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"jdp.ft.Replicas: {name}={value!r} is not a positive number "
+                                 "of seconds; pass one")
         self.coords = _coords.coordinates(group, groups, lighthouse)
         self._state, self.loader = state, loader
         self._position = loader.state_dict() if loader is not None else None
@@ -72,7 +77,7 @@ class Replicas:
         self._manager, self._pg, self._store = _manager.manager(
             self.coords, self._state_dict, self._load_state_dict, quorum_timeout)
         self.events.write("join", group=self.coords.group, pid=os.getpid(),
-                          restart=int(os.environ.get("JDP_RESTART_COUNT", 0)))
+                          restart=int(os.environ.get(_env.RESTART_COUNT, 0)))
 
     @property
     def step(self) -> int:
@@ -100,6 +105,9 @@ class Replicas:
         """The group's batch of each step until `num_steps` are committed: a quorum before
         each (a heal when this group comes back), and the same batch again after a
         discarded attempt."""
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"Replicas.batches: num_steps={num_steps!r} is not a positive int; "
+                             "pass the number of steps to commit")
         if self.loader is None:
             raise ValueError("Replicas.batches: no loader; pass Replicas(state, loader) with a "
                              "jdp.data.Loader over jdp.ft.sampler(len(source))")

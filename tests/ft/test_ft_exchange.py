@@ -95,3 +95,17 @@ def test_the_sampler_gives_each_group_its_own_share(monkeypatch):
         monkeypatch.setenv("JDP_REPLICA_GROUP", str(group))
         shares.append(list(jdp.ft.sampler(30, shuffle=False)))
     assert shares == [list(range(g, 30, 3)) for g in range(3)]
+
+
+def test_bad_replica_arguments_are_one_line_errors(monkeypatch):
+    from conftest import assert_one_line
+    monkeypatch.setenv("JDP_REPLICA_GROUP", "0")
+    monkeypatch.setenv("JDP_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("JDP_FT_LIGHTHOUSE", "127.0.0.1:1")
+    state = _state()
+    with pytest.raises(ValueError) as e:
+        jdp.ft.Replicas(state, start_timeout=0)
+    assert_one_line(e.value, ["start_timeout=0", "positive"])
+    with pytest.raises(TypeError) as e:
+        jdp.ft.Replicas(state, group="1", groups=2)
+    assert_one_line(e.value, ["group='1'", "int"])
