@@ -15,8 +15,9 @@ BATCH, WIDTH, LR = 8, 32, 0.01
 
 
 @pytest.fixture
-def lighthouse():
+def lighthouse(monkeypatch):
     from jdp.ft import lighthouse as lh
+    monkeypatch.setenv("RUST_LOG", "warn")   # read when torchft's logger starts: quorums unlogged
     server = lh.start(0)
     yield lh.address(server, "127.0.0.1")
     server.shutdown()
