@@ -1,0 +1,345 @@
+"""Fault-tolerant replica groups (`jdp.ft`, on torchft) under real launchers: the survivors'
+stall per kill, the heal time of a large state, the step time against the same layout without
+FT, and goodput with a kill at every interval beside restarts from disk checkpoints.
+
+    python -m benchmarks.ft [--size tiny|quick|full]      # the tables, as markdown
+
+An FT job is 3 replica groups, each `python -m jdp.launch --nproc_per_node 1
+--devices_per_process 2 --max_restarts K --logdir DIR/gG --replica_group G --replica_groups 3`
+with `examples/fault_tolerant.py` (or `benchmarks.ft_heal`); group 0 starts the Lighthouse
+(`--ft_lighthouse start:PORT`, a free port), the others join it. The plain job is one
+`python -m jdp.launch --nproc_per_node 3 --devices_per_process 2 -m benchmarks.ft_plain`: the
+same model, per-process batch (16) and Adam, without replica groups. A kill is SIGKILL of one
+group's worker (its pid from the group's latest join event), or of one rank of the plain job,
+once the victim has made a step since it (re)started. Figures come from the events files
+(`jdp.launch._ft`'s format for FT; `benchmarks.ft_plain`'s for the plain job).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import NamedTuple
+
+from benchmarks.harness import jobs, report
+from jdp.job.net import free_port
+
+GROUPS, WARM, SYNC, CHECKPOINT_EVERY = 3, 20, 10, 100
+BIG_WIDTH = 262_144   # the example's MLP with 18 x 262,144 = 4.7M parameters
+# duration/every: the goodput runs' seconds and kill interval; steps, repeats, widths: the
+# step-time runs; heal_params: the heal benchmark's state.
+SIZES = {
+    "tiny": dict(duration=20, every=10, steps=60, repeats=1, widths=(64,),
+                 heal_params=1_000_000),
+    "quick": dict(duration=60, every=15, steps=200, repeats=1, widths=(BIG_WIDTH, 64),
+                  heal_params=50_000_000),
+    "full": dict(duration=600, every=60, steps=400, repeats=3, widths=(BIG_WIDTH, 64),
+                 heal_params=50_000_000)}
+
+
+class Job(NamedTuple):
+    """A started job: its launchers, and the events file of each group (or the plain job's)."""
+    launchers: list
+    events: list
+
+
+def read(path: str) -> list:
+    """The JSON lines of `path` ([] while it is absent); a line cut short by a kill is left out."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _launcher(args: list, logdir: str) -> subprocess.Popen:
+    os.makedirs(logdir, exist_ok=True)
+    with open(os.path.join(logdir, "launcher.log"), "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "jdp.launch", "--devices_per_process", "2", "--stop_grace",
+             "3", "--logdir", logdir, *args], env=jobs.base_env("default", RUST_LOG="warn"),
+            cwd=jobs.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(ready, timeout: float, what: str):
+    """`ready()`'s first true value, polled; TimeoutError naming `what` after `timeout` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = ready()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"benchmarks.ft: no {what} within {timeout:.0f} s")
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def ft_job(root: str, script: list, restarts: int) -> Job:
+    """3 replica groups of `script` (argv after the launcher's options), group 0 first with
+    the Lighthouse."""
+    port, launchers, events = free_port(), [], []
+    for g in range(GROUPS):
+        logdir = os.path.join(root, f"g{g}")
+        lighthouse = f"start:{port}" if g == 0 else f"127.0.0.1:{port}"
+        launchers.append(_launcher(
+            ["--nproc_per_node", "1", "--max_restarts", str(restarts), "--replica_group",
+             str(g), "--replica_groups", str(GROUPS), "--ft_lighthouse", lighthouse, *script],
+            logdir))
+        events.append(os.path.join(logdir, "ft_events.jsonl"))
+        if g == 0:
+            _wait(lambda: _listening(port), 120, "Lighthouse listening")
+    return Job(launchers, events)
+
+
+def plain_job(root: str, script_args: list, restarts: int) -> Job:
+    """One jdp job of 3 processes x 2 devices running `benchmarks.ft_plain`."""
+    events = os.path.join(root, "plain.jsonl")
+    launcher = _launcher(["--nproc_per_node", str(GROUPS), "--max_restarts", str(restarts),
+                          "-m", "benchmarks.ft_plain", "--events", events, *script_args],
+                         os.path.join(root, "plain"))
+    return Job([launcher], [events])
+
+
+def stop(job: Job, timeout: float = 60) -> None:
+    """SIGTERM every launcher (they stop their ranks), SIGKILL what is left after `timeout`."""
+    for p in job.launchers:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in job.launchers:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def finish(job: Job, timeout: float) -> None:
+    """Wait for every launcher to exit by itself (stopped after `timeout` s)."""
+    deadline = time.time() + timeout
+    try:
+        for p in job.launchers:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        stop(job)
+        raise TimeoutError(f"benchmarks.ft: a job did not finish within {timeout:.0f} s") from None
+
+
+def steps_of(job: Job) -> list:
+    """(time, step) of every step recorded: the groups' commits, or the plain job's steps."""
+    return sorted((e["time"], e["step"]) for path in job.events for e in read(path)
+                  if e["event"] in ("commit", "step"))
+
+
+def step_at(steps: list, when: float) -> int:
+    """The newest step recorded at or before `when` (0 before any)."""
+    return max((s for t, s in steps if t <= when), default=0)
+
+
+def victim_pid(job: Job, victim: int) -> int | None:
+    """The pid of group `victim`'s worker (FT) or of rank `victim` (plain) once it has made a
+    step since its latest (re)start; None before."""
+    path = job.events[victim] if len(job.events) > 1 else job.events[0]
+    events = read(path)
+    joins = [e for e in events if e["event"] == "join" and e.get("rank", victim) == victim]
+    if not joins:
+        return None
+    if any(t > joins[-1]["time"] for t, _ in steps_of(Job([], [path]))):
+        return joins[-1]["pid"]
+    return None
+
+
+def kill_schedule(job: Job, start: float, duration: float, every: float,
+                  rng: random.Random) -> list:
+    """SIGKILL victim k % 3 near `start + k * every` (at random within a quarter interval) for
+    k = 1, 2, ... before `start + duration`: [{"victim", "time", "pid"}] of each kill."""
+    kills = []
+    for k in range(1, int(-(-duration // every))):
+        victim, at = (k - 1) % GROUPS, start + k * every + rng.uniform(-every / 4, every / 4)
+        time.sleep(max(0.0, at - time.time()))
+        pid = _wait(lambda v=victim: victim_pid(job, v), 300, f"step of victim {victim}")
+        os.kill(pid, signal.SIGKILL)
+        kills.append({"victim": victim, "time": time.time(), "pid": pid})
+    return kills
+
+
+def stalls(job: Job, kills: list) -> list:
+    """Per kill of a group: the survivors' stall (from the kill to the first commit, in any
+    survivor's events, of a group set without the killed group) and the returning group's
+    heal time (its heal event's seconds); None where none came."""
+    events = [read(path) for path in job.events]
+    out = []
+    for kill in kills:
+        g, t = kill["victim"], kill["time"]
+        commits = [e["time"] for s, ev in enumerate(events) if s != g for e in ev
+                   if e["event"] == "commit" and e["time"] > t and g not in e["groups"]]
+        heals = [e for e in events[g] if e["event"] == "heal" and e["time"] > t]
+        out.append({**kill, "stall_s": min(commits) - t if commits else None,
+                    "heal_s": heals[0]["seconds"] if heals else None,
+                    "heal_step": heals[0]["step"] if heals else None})
+    return out
+
+
+def goodput_run(make, root: str, size: dict, kill: bool, seed: int = 0) -> dict:
+    """One job for `duration` s after its step WARM, killed every `every` s (or never):
+    {"useful": steps gained in the window, "kills": [...]}."""
+    job = make(root)
+    try:
+        start = _wait(lambda: next((t for t, s in steps_of(job) if s >= WARM), None), 600,
+                      f"step {WARM}")
+        kills = (kill_schedule(job, start, size["duration"], size["every"], random.Random(seed))
+                 if kill else [])
+        time.sleep(max(0.0, start + size["duration"] - time.time()) + 1.0)
+        steps = steps_of(job)
+        useful = step_at(steps, start + size["duration"]) - step_at(steps, start)
+        return {"useful": useful, "kills": stalls(job, kills) if len(job.events) > 1 else kills}
+    finally:
+        stop(job)
+
+
+def goodput(root: str, size: dict) -> dict:
+    """FT and plain-with-checkpoints, each without and with kills: useful steps in the window
+    and goodput = useful with kills / (steps/s without kills * window)."""
+    restarts = size["duration"] // size["every"] + 2
+    example = ["examples/fault_tolerant.py", "--steps", "100000000"]
+    makes = {"ft": lambda d: ft_job(d, example, restarts),
+             "plain": lambda d: plain_job(d, ["--steps", "100000000", "--sync_every", str(SYNC),
+                                              "--checkpoint_dir", os.path.join(d, "ckpt"),
+                                              "--every", str(CHECKPOINT_EVERY)], restarts)}
+    out = {}
+    for name, make in makes.items():
+        runs = {kill: goodput_run(make, os.path.join(root, f"{name}-{kill}"), size, kill)
+                for kill in (False, True)}
+        out[name] = {"clean": runs[False]["useful"], "killed": runs[True]["useful"],
+                     "kills": runs[True]["kills"],
+                     "goodput": runs[True]["useful"] / max(runs[False]["useful"], 1)}
+    return out
+
+
+def heal(root: str, params: int) -> dict:
+    """Kill group 1 of a `benchmarks.ft_heal` job with `params` parameters once it is steady:
+    its heal event's seconds, and the stall of the survivors."""
+    job = ft_job(root, ["-m", "benchmarks.ft_heal", "--params", str(params)], restarts=2)
+    try:
+        _wait(lambda: sum(e["event"] == "commit" for e in read(job.events[1])) >= 5, 600,
+              "5 steps of the heal job")
+        pid = victim_pid(job, 1)
+        os.kill(pid, signal.SIGKILL)
+        kill = {"victim": 1, "time": time.time(), "pid": pid}
+        _wait(lambda: [e for e in read(job.events[1]) if e["event"] == "heal"], 600, "heal")
+        (result,) = stalls(job, [kill])
+        place = next(e["place_s"] for e in read(job.events[1]) if e["event"] == "heal")
+        return {**result, "place_s": place, "bytes": params // 4 * 4 * 4}
+    finally:
+        stop(job)
+
+
+def step_times(root: str, size: dict) -> list:
+    """Per (repeat, width), interleaved: the median seconds per step of the FT job and of the
+    plain job, over windows of SYNC steps after step WARM."""
+    out = []
+    for rep in range(size["repeats"]):
+        for width in size["widths"]:
+            common = ["--steps", str(size["steps"]), "--width", str(width)]
+            ft = ft_job(os.path.join(root, f"ft-{rep}-{width}"),
+                        ["examples/fault_tolerant.py", *common], restarts=0)
+            finish(ft, 900)
+            plain = plain_job(os.path.join(root, f"plain-{rep}-{width}"),
+                              [*common, "--sync_every", str(SYNC)], restarts=0)
+            finish(plain, 900)
+            out.append({"width": width, "ft": _per_step(Job([], ft.events[:1])),
+                        "plain": _per_step(plain)})
+    return out
+
+
+def _per_step(job: Job) -> float:
+    steps = [(t, s) for t, s in steps_of(job) if s >= WARM and s % SYNC == 0]
+    pairs = zip(steps, steps[1:], strict=False)
+    return statistics.median((b[0] - a[0]) / (b[1] - a[1]) for a, b in pairs)
+
+
+def measure(size: dict) -> dict:
+    """Every figure of the table, each part in its own temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
+        return {"heal": heal(os.path.join(root, "heal"), size["heal_params"]),
+                "step": step_times(os.path.join(root, "step"), size),
+                "goodput": goodput(os.path.join(root, "goodput"), size)}
+
+
+def _s(x, digits: int = 2) -> str:
+    return "none" if x is None else f"{x:.{digits}f}"
+
+
+def render(r: dict, size: dict) -> str:
+    """The markdown: one table of the issue's four figures, then one row per kill."""
+    h, g = r["heal"], r["goodput"]
+    kills = g["ft"]["kills"]
+    worst = max((k["stall_s"] for k in kills if k["stall_s"] is not None), default=None)
+    window = f"{size['duration']} s window, a kill every {size['every']} s"
+    rows = [["survivors' stall per kill (max)", f"{_s(worst)} s (each: "
+             + ", ".join(f"{_s(k['stall_s'])}" for k in kills) + ")", "<= 2 s",
+             f"FT goodput run below ({len(kills)} kills)"],
+            [f"heal of a {h['bytes'] // 4:,}-parameter state", f"{_s(h['heal_s'])} s",
+             "<= 3 s", f"{h['bytes'] / 1e6:,.0f} MB moved (float32 params, SGD); placing "
+             f"{_s(h['place_s'])} s; survivors' stall {_s(h['stall_s'])} s"]]
+    for width in dict.fromkeys(s["width"] for s in r["step"]):
+        runs = [s for s in r["step"] if s["width"] == width]
+        ft = statistics.median(s["ft"] for s in runs)
+        plain = statistics.median(s["plain"] for s in runs)
+        ratio = statistics.median(s["ft"] / s["plain"] for s in runs)
+        rows.append([f"step time FT / plain, width {width} ({18 * width + 1:,} params)",
+                     f"{ratio:.2f}x", "<= 1.10x", f"FT {ft * 1e3:.1f} ms, plain "
+                     f"{plain * 1e3:.1f} ms per step; median of {len(runs)} interleaved pair(s)"])
+    for name, label in (("ft", "FT, kills of a group's worker"),
+                        ("plain", f"plain + checkpoint every {CHECKPOINT_EVERY} steps, "
+                                  "kills of a rank, --max_restarts")):
+        x = g[name]
+        rows.append([f"goodput, {label}", f"{x['goodput'] * 100:.1f} %", "",
+                     f"{x['killed']:,} useful steps vs {x['clean']:,} without kills "
+                     f"({x['clean'] / size['duration']:.1f} steps/s); {window}"])
+    per_kill = report.table(
+        ["kill", "group", "survivors' stall (s)", "its heal (s)", "healed at step"],
+        [[i + 1, k["victim"], _s(k["stall_s"]), _s(k["heal_s"]), k["heal_step"]]
+         for i, k in enumerate(kills)])
+    return (f"3 replica groups x 1 process x 2 CPU devices, each under its own `jdp.launch` "
+            f"(`examples/fault_tolerant.py`, 16 examples per process, Adam); plain: one "
+            f"`jdp.launch --nproc_per_node 3 --devices_per_process 2` job of the same model "
+            f"(`benchmarks.ft_plain`). Goodput = useful steps with kills / steps without kills "
+            f"in the same {size['duration']} s window after step {WARM}. "
+            f"{os.cpu_count()} CPU cores shared by all 3 groups.\n\n"
+            + report.table(["figure", "measured", "target", "how"], rows)
+            + "\nKills in the FT goodput run (SIGKILL of the group's worker process):\n\n"
+            + per_kill)
+
+
+def table(size: str = "quick") -> str:
+    """The table at `size` ("tiny", "quick", "full"); a line saying why when torchft is absent."""
+    if importlib.util.find_spec("torchft") is None:
+        return ("Not measured: torchft is not installed (pip install 'jdp[ft]').\n\n"
+                + report.table(["figure", "measured"], [["all", "skipped: no torchft"]]))
+    return render(measure(SIZES[size]), SIZES[size])
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ft", description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="quick")
+    print(table(p.parse_args().size))
