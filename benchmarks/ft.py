@@ -34,13 +34,13 @@ from benchmarks.harness import jobs, report
 from jdp.job.net import free_port
 
 GROUPS, WARM, SYNC, CHECKPOINT_EVERY = 3, 20, 10, 100
-BIG_WIDTH = 262_144   # the example's MLP with 18 x 262,144 = 4.7M parameters
+BIG_WIDTH = 65_536   # the example's MLP with 18 x 65,536 + 1 = 1.2M parameters
 # duration/every: the goodput runs' seconds and kill interval; steps, repeats, widths: the
 # step-time runs; heal_params: the heal benchmark's state.
 SIZES = {
     "tiny": dict(duration=20, every=10, steps=60, repeats=1, widths=(64,),
                  heal_params=1_000_000),
-    "quick": dict(duration=60, every=15, steps=200, repeats=1, widths=(BIG_WIDTH, 64),
+    "quick": dict(duration=60, every=15, steps=200, repeats=2, widths=(BIG_WIDTH, 64),
                   heal_params=50_000_000),
     "full": dict(duration=600, every=60, steps=400, repeats=3, widths=(BIG_WIDTH, 64),
                  heal_params=50_000_000)}
@@ -199,9 +199,27 @@ def stalls(job: Job, kills: list) -> list:
     return out
 
 
+def work(job: Job, start: float, end: float) -> tuple[int, float]:
+    """(steps, full-batch steps) made in (start, end]: a step of the FT job with g of the 3
+    groups counts g / 3 of a full batch (its global batch is g x 16 examples); every step of
+    the plain job is a full batch."""
+    steps = steps_of(job)
+    made = step_at(steps, end) - step_at(steps, start)
+    first: dict = {}
+    for path in job.events:
+        for e in read(path):
+            if e["event"] == "commit" and e["step"] not in first:
+                first[e["step"]] = (e["time"], len(e["groups"]))
+            elif e["event"] == "commit":
+                first[e["step"]] = min(first[e["step"]], (e["time"], len(e["groups"])))
+    if not first:
+        return made, float(made)
+    return made, sum(g for t, g in first.values() if start < t <= end) / GROUPS
+
+
 def goodput_run(make, root: str, size: dict, kill: bool, seed: int = 0) -> dict:
     """One job for `duration` s after its step WARM, killed every `every` s (or never):
-    {"useful": steps gained in the window, "kills": [...]}."""
+    {"steps", "batches": what `work` made in that window, "kills": [...]}."""
     job = make(root)
     try:
         start = _wait(lambda: next((t for t, s in steps_of(job) if s >= WARM), None), 600,
@@ -209,16 +227,16 @@ def goodput_run(make, root: str, size: dict, kill: bool, seed: int = 0) -> dict:
         kills = (kill_schedule(job, start, size["duration"], size["every"], random.Random(seed))
                  if kill else [])
         time.sleep(max(0.0, start + size["duration"] - time.time()) + 1.0)
-        steps = steps_of(job)
-        useful = step_at(steps, start + size["duration"]) - step_at(steps, start)
-        return {"useful": useful, "kills": stalls(job, kills) if len(job.events) > 1 else kills}
+        steps, batches = work(job, start, start + size["duration"])
+        return {"steps": steps, "batches": batches,
+                "kills": stalls(job, kills) if len(job.events) > 1 else kills}
     finally:
         stop(job)
 
 
 def goodput(root: str, size: dict) -> dict:
-    """FT and plain-with-checkpoints, each without and with kills: useful steps in the window
-    and goodput = useful with kills / (steps/s without kills * window)."""
+    """FT and plain-with-checkpoints, each without and then with kills: steps and full-batch
+    steps made in the window; goodput = made with kills / made without kills in as long."""
     restarts = size["duration"] // size["every"] + 2
     example = ["examples/fault_tolerant.py", "--steps", "100000000"]
     makes = {"ft": lambda d: ft_job(d, example, restarts),
@@ -227,11 +245,12 @@ def goodput(root: str, size: dict) -> dict:
                                               "--every", str(CHECKPOINT_EVERY)], restarts)}
     out = {}
     for name, make in makes.items():
-        runs = {kill: goodput_run(make, os.path.join(root, f"{name}-{kill}"), size, kill)
-                for kill in (False, True)}
-        out[name] = {"clean": runs[False]["useful"], "killed": runs[True]["useful"],
-                     "kills": runs[True]["kills"],
-                     "goodput": runs[True]["useful"] / max(runs[False]["useful"], 1)}
+        clean, killed = (goodput_run(make, os.path.join(root, f"{name}-{kill}"), size, kill)
+                         for kill in (False, True))
+        out[name] = {"clean": clean["steps"], "killed": killed["steps"],
+                     "kills": killed["kills"],
+                     "goodput": killed["steps"] / max(clean["steps"], 1),
+                     "batches": killed["batches"] / max(clean["batches"], 1)}
     return out
 
 
@@ -277,45 +296,74 @@ def _per_step(job: Job) -> float:
     return statistics.median((b[0] - a[0]) / (b[1] - a[1]) for a, b in pairs)
 
 
-def measure(size: dict) -> dict:
-    """Every figure of the table, each part in its own temporary directory."""
+PARTS = ("heal", "step", "goodput")
+
+
+def measure(size: dict, parts=PARTS) -> dict:
+    """The figures of `parts` ("heal", "step", "goodput"), each in its own temporary
+    directory."""
+    run = {"heal": lambda d: heal(d, size["heal_params"]),
+           "step": lambda d: step_times(d, size), "goodput": lambda d: goodput(d, size)}
     with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
-        return {"heal": heal(os.path.join(root, "heal"), size["heal_params"]),
-                "step": step_times(os.path.join(root, "step"), size),
-                "goodput": goodput(os.path.join(root, "goodput"), size)}
+        return {part: run[part](os.path.join(root, part)) for part in parts}
 
 
 def _s(x, digits: int = 2) -> str:
     return "none" if x is None else f"{x:.{digits}f}"
 
 
-def render(r: dict, size: dict) -> str:
-    """The markdown: one table of the issue's four figures, then one row per kill."""
-    h, g = r["heal"], r["goodput"]
+def _stall_rows(g: dict) -> list:
     kills = g["ft"]["kills"]
-    worst = max((k["stall_s"] for k in kills if k["stall_s"] is not None), default=None)
-    window = f"{size['duration']} s window, a kill every {size['every']} s"
-    rows = [["survivors' stall per kill (max)", f"{_s(worst)} s (each: "
-             + ", ".join(f"{_s(k['stall_s'])}" for k in kills) + ")", "<= 2 s",
-             f"FT goodput run below ({len(kills)} kills)"],
-            [f"heal of a {h['bytes'] // 4:,}-parameter state", f"{_s(h['heal_s'])} s",
-             "<= 3 s", f"{h['bytes'] / 1e6:,.0f} MB moved (float32 params, SGD); placing "
-             f"{_s(h['place_s'])} s; survivors' stall {_s(h['stall_s'])} s"]]
-    for width in dict.fromkeys(s["width"] for s in r["step"]):
-        runs = [s for s in r["step"] if s["width"] == width]
+    stalled = [k["stall_s"] for k in kills if k["stall_s"] is not None]
+    healed = [k["heal_s"] for k in kills if k["heal_s"] is not None]
+    return [["survivors' stall per kill (max)", f"{_s(max(stalled, default=None))} s (each: "
+             + ", ".join(_s(k["stall_s"]) for k in kills) + ")", "<= 2 s",
+             f"the {len(kills)} kills of the FT goodput run (below); none without a commit "
+             f"after it: {len(stalled) == len(kills)}"],
+            ["heal of the returning group, example's state (max)",
+             f"{_s(max(healed, default=None))} s", "", "the same kills; heal event's seconds"]]
+
+
+def _heal_rows(h: dict) -> list:
+    return [[f"heal of a {h['bytes'] // 4:,}-parameter state", f"{_s(h['heal_s'])} s", "<= 3 s",
+             f"{h['bytes'] / 1e6:,.0f} MB moved (float32 params; SGD keeps no state); placing "
+             f"on the devices {_s(h['place_s'])} s; survivors' stall {_s(h['stall_s'])} s"]]
+
+
+def _step_rows(step: list) -> list:
+    rows = []
+    for width in dict.fromkeys(s["width"] for s in step):
+        runs = [s for s in step if s["width"] == width]
         ft = statistics.median(s["ft"] for s in runs)
         plain = statistics.median(s["plain"] for s in runs)
         ratio = statistics.median(s["ft"] / s["plain"] for s in runs)
         rows.append([f"step time FT / plain, width {width} ({18 * width + 1:,} params)",
-                     f"{ratio:.2f}x", "<= 1.10x", f"FT {ft * 1e3:.1f} ms, plain "
-                     f"{plain * 1e3:.1f} ms per step; median of {len(runs)} interleaved pair(s)"])
+                     f"{ratio:.2f}x", "<= 1.10x", f"FT {ft * 1e3:.1f} ms, plain {plain * 1e3:.1f}"
+                     f" ms per step; median of {len(runs)} interleaved pair(s)"])
+    return rows
+
+
+def _goodput_rows(g: dict, size: dict) -> list:
+    rows = []
     for name, label in (("ft", "FT, kills of a group's worker"),
                         ("plain", f"plain + checkpoint every {CHECKPOINT_EVERY} steps, "
                                   "kills of a rank, --max_restarts")):
         x = g[name]
-        rows.append([f"goodput, {label}", f"{x['goodput'] * 100:.1f} %", "",
-                     f"{x['killed']:,} useful steps vs {x['clean']:,} without kills "
-                     f"({x['clean'] / size['duration']:.1f} steps/s); {window}"])
+        rows.append([f"goodput, {label}", f"{x['goodput'] * 100:.1f} % of steps, "
+                     f"{x['batches'] * 100:.1f} % of examples", "",
+                     f"{x['killed']:,} steps vs {x['clean']:,} without kills "
+                     f"({x['clean'] / size['duration']:.1f} steps/s) in {size['duration']} s, "
+                     f"a kill every {size['every']} s"])
+    return rows
+
+
+def render(r: dict, size: dict) -> str:
+    """The markdown: one table of the issue's four figures, then one row per kill."""
+    rows = [*(_stall_rows(r["goodput"]) if "goodput" in r else []),
+            *(_heal_rows(r["heal"]) if "heal" in r else []),
+            *(_step_rows(r["step"]) if "step" in r else []),
+            *(_goodput_rows(r["goodput"], size) if "goodput" in r else [])]
+    kills = r["goodput"]["ft"]["kills"] if "goodput" in r else []
     per_kill = report.table(
         ["kill", "group", "survivors' stall (s)", "its heal (s)", "healed at step"],
         [[i + 1, k["victim"], _s(k["stall_s"]), _s(k["heal_s"]), k["heal_step"]]
@@ -323,12 +371,13 @@ def render(r: dict, size: dict) -> str:
     return (f"3 replica groups x 1 process x 2 CPU devices, each under its own `jdp.launch` "
             f"(`examples/fault_tolerant.py`, 16 examples per process, Adam); plain: one "
             f"`jdp.launch --nproc_per_node 3 --devices_per_process 2` job of the same model "
-            f"(`benchmarks.ft_plain`). Goodput = useful steps with kills / steps without kills "
-            f"in the same {size['duration']} s window after step {WARM}. "
-            f"{os.cpu_count()} CPU cores shared by all 3 groups.\n\n"
+            f"(`benchmarks.ft_plain`). Goodput: what a run with kills made in a "
+            f"{size['duration']} s window after step {WARM}, over what one without kills made "
+            f"(steps; examples: an FT step with 2 of 3 groups is 2/3 of a batch). "
+            f"{os.cpu_count()} CPU cores shared by all the processes.\n\n"
             + report.table(["figure", "measured", "target", "how"], rows)
-            + "\nKills in the FT goodput run (SIGKILL of the group's worker process):\n\n"
-            + per_kill)
+            + ("\nKills in the FT goodput run (SIGKILL of the group's worker process):\n\n"
+               + per_kill if kills else ""))
 
 
 def table(size: str = "quick") -> str:
@@ -339,7 +388,22 @@ def table(size: str = "quick") -> str:
     return render(measure(SIZES[size]), SIZES[size])
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
+    """`python -m benchmarks.ft [--size S] [--parts heal,step,goodput] [--duration D --every E]`:
+    the table, as markdown, on stdout."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.ft", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
-    print(table(p.parse_args().size))
+    p.add_argument("--parts", default=",".join(PARTS), help="which of heal,step,goodput")
+    p.add_argument("--duration", type=int, help="the goodput runs' window (s)")
+    p.add_argument("--every", type=int, help="seconds between kills in the goodput runs")
+    args = p.parse_args(argv)
+    size = {**SIZES[args.size], **{k: v for k, v in (("duration", args.duration),
+                                                       ("every", args.every)) if v}}
+    parts = [x for x in args.parts.split(",") if x]
+    if not set(parts) <= set(PARTS):
+        p.error(f"--parts {args.parts}: choose among {','.join(PARTS)}")
+    print(render(measure(size, parts), size))
+
+
+if __name__ == "__main__":
+    main()
