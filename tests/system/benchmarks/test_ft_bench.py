@@ -53,7 +53,7 @@ def test_one_kill_row_per_kill_and_the_heal_moves_the_parameters(table):
     size = ft.SIZES["tiny"]
     kills = [row for row in rows(table) if row[0].isdigit()]
     assert len(kills) == -(-size["duration"] // size["every"]) - 1
-    for _, group, stall, heal, _ in kills:
+    for _, group, stall, _, heal, _ in kills:
         assert int(group) in range(ft.GROUPS)
         assert math.isfinite(float(stall)) and math.isfinite(float(heal))
     heal_row = next(row for row in rows(table) if row[0].startswith("heal of a "))
