@@ -2,7 +2,8 @@
 stall per kill, the heal time of a large state, the step time against the same layout without
 FT, and goodput with a kill at every interval beside restarts from disk checkpoints.
 
-    python -m benchmarks.ft [--size tiny|quick|full]      # the tables, as markdown
+    python -m benchmarks.ft [--size tiny|quick|full] [--parts heal,step,goodput]
+                            [--duration S --every S]     # the tables, as markdown
 
 An FT job is 3 replica groups, each `python -m jdp.launch --nproc_per_node 1
 --devices_per_process 2 --max_restarts K --logdir DIR/gG --replica_group G --replica_groups 3`
@@ -11,29 +12,38 @@ with `examples/fault_tolerant.py` (or `benchmarks.ft_heal`); group 0 starts the 
 `python -m jdp.launch --nproc_per_node 3 --devices_per_process 2 -m benchmarks.ft_plain`: the
 same model, per-process batch (16) and Adam, without replica groups. A kill is SIGKILL of one
 group's worker (its pid from the group's latest join event), or of one rank of the plain job,
-once the victim has made a step since it (re)started. Figures come from the events files
-(`jdp.launch._ft`'s format for FT; `benchmarks.ft_plain`'s for the plain job).
+once the victim has made a step since it (re)started (`benchmarks.ft_jobs` starts, kills
+and stops the jobs). Figures come from the events files (`jdp.launch._ft`'s format for FT;
+`benchmarks.ft_plain`'s for the plain job).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from typing import NamedTuple
 
-from benchmarks.harness import jobs, report
-from jdp.job.net import free_port
+from benchmarks.ft_jobs import (
+    GROUPS,
+    Job,
+    finish,
+    ft_job,
+    kill_schedule,
+    plain_job,
+    read,
+    step_at,
+    steps_of,
+    stop,
+    victim_pid,
+    wait_for,
+)
+from benchmarks.harness import report
 
-GROUPS, WARM, SYNC, CHECKPOINT_EVERY = 3, 20, 10, 100
+WARM, SYNC, CHECKPOINT_EVERY = 20, 10, 100
 BIG_WIDTH = 65_536   # the example's MLP with 18 x 65,536 + 1 = 1.2M parameters
 # duration/every: the goodput runs' seconds and kill interval; steps, repeats, widths: the
 # step-time runs; heal_params: the heal benchmark's state.
@@ -44,142 +54,6 @@ SIZES = {
                   heal_params=50_000_000),
     "full": dict(duration=600, every=60, steps=400, repeats=3, widths=(BIG_WIDTH, 64),
                  heal_params=50_000_000)}
-
-
-class Job(NamedTuple):
-    """A started job: its launchers, and the events file of each group (or the plain job's)."""
-    launchers: list
-    events: list
-
-
-def read(path: str) -> list:
-    """The JSON lines of `path` ([] while it is absent); a line cut short by a kill is left out."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def _launcher(args: list, logdir: str) -> subprocess.Popen:
-    os.makedirs(logdir, exist_ok=True)
-    with open(os.path.join(logdir, "launcher.log"), "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "jdp.launch", "--devices_per_process", "2", "--stop_grace",
-             "3", "--logdir", logdir, *args], env=jobs.base_env("default", RUST_LOG="warn"),
-            cwd=jobs.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait(ready, timeout: float, what: str):
-    """`ready()`'s first true value, polled; TimeoutError naming `what` after `timeout` s."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = ready()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"benchmarks.ft: no {what} within {timeout:.0f} s")
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-def ft_job(root: str, script: list, restarts: int) -> Job:
-    """3 replica groups of `script` (argv after the launcher's options), group 0 first with
-    the Lighthouse."""
-    port, launchers, events = free_port(), [], []
-    for g in range(GROUPS):
-        logdir = os.path.join(root, f"g{g}")
-        lighthouse = f"start:{port}" if g == 0 else f"127.0.0.1:{port}"
-        launchers.append(_launcher(
-            ["--nproc_per_node", "1", "--max_restarts", str(restarts), "--replica_group",
-             str(g), "--replica_groups", str(GROUPS), "--ft_lighthouse", lighthouse, *script],
-            logdir))
-        events.append(os.path.join(logdir, "ft_events.jsonl"))
-        if g == 0:
-            _wait(lambda: _listening(port), 120, "Lighthouse listening")
-    return Job(launchers, events)
-
-
-def plain_job(root: str, script_args: list, restarts: int) -> Job:
-    """One jdp job of 3 processes x 2 devices running `benchmarks.ft_plain`."""
-    events = os.path.join(root, "plain.jsonl")
-    launcher = _launcher(["--nproc_per_node", str(GROUPS), "--max_restarts", str(restarts),
-                          "-m", "benchmarks.ft_plain", "--events", events, *script_args],
-                         os.path.join(root, "plain"))
-    return Job([launcher], [events])
-
-
-def stop(job: Job, timeout: float = 60) -> None:
-    """SIGTERM every launcher (they stop their ranks), SIGKILL what is left after `timeout`."""
-    for p in job.launchers:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in job.launchers:
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def finish(job: Job, timeout: float) -> None:
-    """Wait for every launcher to exit by itself (stopped after `timeout` s)."""
-    deadline = time.time() + timeout
-    try:
-        for p in job.launchers:
-            p.wait(timeout=max(1.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        stop(job)
-        raise TimeoutError(f"benchmarks.ft: a job did not finish within {timeout:.0f} s") from None
-
-
-def steps_of(job: Job) -> list:
-    """(time, step) of every step recorded: the groups' commits, or the plain job's steps."""
-    return sorted((e["time"], e["step"]) for path in job.events for e in read(path)
-                  if e["event"] in ("commit", "step"))
-
-
-def step_at(steps: list, when: float) -> int:
-    """The newest step recorded at or before `when` (0 before any)."""
-    return max((s for t, s in steps if t <= when), default=0)
-
-
-def victim_pid(job: Job, victim: int) -> int | None:
-    """The pid of group `victim`'s worker (FT) or of rank `victim` (plain) once it has made a
-    step since its latest (re)start; None before."""
-    path = job.events[victim] if len(job.events) > 1 else job.events[0]
-    events = read(path)
-    joins = [e for e in events if e["event"] == "join" and e.get("rank", victim) == victim]
-    if not joins:
-        return None
-    if any(t > joins[-1]["time"] for t, _ in steps_of(Job([], [path]))):
-        return joins[-1]["pid"]
-    return None
-
-
-def kill_schedule(job: Job, start: float, duration: float, every: float,
-                  rng: random.Random) -> list:
-    """SIGKILL victim k % 3 near `start + k * every` (at random within a quarter interval) for
-    k = 1, 2, ... before `start + duration`: [{"victim", "time", "pid"}] of each kill."""
-    kills = []
-    for k in range(1, int(-(-duration // every))):
-        victim, at = (k - 1) % GROUPS, start + k * every + rng.uniform(-every / 4, every / 4)
-        time.sleep(max(0.0, at - time.time()))
-        pid = _wait(lambda v=victim: victim_pid(job, v), 300, f"step of victim {victim}")
-        os.kill(pid, signal.SIGKILL)
-        kills.append({"victim": victim, "time": time.time(), "pid": pid})
-    return kills
 
 
 def stalls(job: Job, kills: list) -> list:
@@ -226,7 +100,7 @@ def goodput_run(make, root: str, size: dict, kill: bool, seed: int = 0) -> dict:
     {"steps", "batches": what `work` made in that window, "kills": [...]}."""
     job = make(root)
     try:
-        start = _wait(lambda: next((t for t, s in steps_of(job) if s >= WARM), None), 600,
+        start = wait_for(lambda: next((t for t, s in steps_of(job) if s >= WARM), None), 600,
                       f"step {WARM}")
         kills = (kill_schedule(job, start, size["duration"], size["every"], random.Random(seed))
                  if kill else [])
@@ -263,12 +137,12 @@ def heal(root: str, params: int) -> dict:
     its heal event's seconds, and the stall of the survivors."""
     job = ft_job(root, ["-m", "benchmarks.ft_heal", "--params", str(params)], restarts=2)
     try:
-        _wait(lambda: sum(e["event"] == "commit" for e in read(job.events[1])) >= 5, 600,
+        wait_for(lambda: sum(e["event"] == "commit" for e in read(job.events[1])) >= 5, 600,
               "5 steps of the heal job")
         pid = victim_pid(job, 1)
         os.kill(pid, signal.SIGKILL)
         kill = {"victim": 1, "time": time.time(), "pid": pid}
-        _wait(lambda: [e for e in read(job.events[1]) if e["event"] == "heal"], 600, "heal")
+        wait_for(lambda: [e for e in read(job.events[1]) if e["event"] == "heal"], 600, "heal")
         (result,) = stalls(job, [kill])
         place = next(e["place_s"] for e in read(job.events[1]) if e["event"] == "heal")
         return {**result, "place_s": place, "bytes": params // 4 * 4 * 4}
