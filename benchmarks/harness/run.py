@@ -71,7 +71,12 @@ TABLES = [*cnn.TABLES,
           ("16. FSDP on an unrolled Transformer (flax lm1b's TransformerLM): one layer at a "
            "time against the gathers left to the compiler, the model scanned, ZeRO and "
            "replicated", selected("zero", lambda r: importlib.import_module(
-               "benchmarks.fsdp_unrolled").table(r)))]
+               "benchmarks.fsdp_unrolled").table(r))),
+          ("17. Fault-tolerant replica groups (jdp.ft on torchft): survivors' stall per kill, "
+           "heal time of a 50M-parameter state, step time against the same layout without FT, "
+           "goodput with a kill at every interval beside restarts from disk checkpoints",
+           selected("ft", lambda r: importlib.import_module("benchmarks.ft").table(
+               "quick" if r["settings"]["rounds"] < FULL["rounds"] else "full")))]
 
 
 def measure(workers: dict, settings: dict) -> dict:
@@ -158,8 +163,8 @@ def main(argv=None) -> None:
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
     p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
-                   "`input`, `overhead`, `checkpoint`, `progress`, `coordination` or `layouts` "
-                   "for those tables "
+                   "`input`, `overhead`, `checkpoint`, `progress`, `coordination`, `layouts` or "
+                   "`ft` for those tables "
                    "(default: all)")
     args = p.parse_args(argv)
     r = run(QUICK if args.quick else FULL, [j for j in args.only.split(",") if j])

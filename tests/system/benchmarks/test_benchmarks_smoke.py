@@ -52,7 +52,7 @@ def block(results):
     stub = "| {} | value |\n| --- | --- |\n| stub | 1 |\n"
     with pytest.MonkeyPatch.context() as patch:
         for name in ("bench_input", "bench_checkpoint", "bench_progress",
-                     "bench_coordination", "layouts"):
+                     "bench_coordination", "layouts", "ft"):
             patch.setitem(sys.modules, f"benchmarks.{name}", types.SimpleNamespace(
                 table=lambda name=name: stub.format(name)))
         patch.setattr(overhead, "table", lambda **_: stub.format("overhead"))

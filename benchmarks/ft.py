@@ -1,0 +1,290 @@
+"""Fault-tolerant replica groups (`jdp.ft`, on torchft) under real launchers: the survivors'
+stall per kill, the heal time of a large state, the step time against the same layout without
+FT, and goodput with a kill at every interval beside restarts from disk checkpoints.
+
+    python -m benchmarks.ft [--size tiny|quick|full] [--parts heal,step,goodput]
+                            [--duration S --every S]     # the tables, as markdown
+
+An FT job is 3 replica groups, each `python -m jdp.launch --nproc_per_node 1
+--devices_per_process 2 --max_restarts K --logdir DIR/gG --replica_group G --replica_groups 3`
+with `examples/fault_tolerant.py` (or `benchmarks.ft_heal`); group 0 starts the Lighthouse
+(`--ft_lighthouse start:PORT`, a free port), the others join it. The plain job is one
+`python -m jdp.launch --nproc_per_node 3 --devices_per_process 2 -m benchmarks.ft_plain`: the
+same model, per-process batch (16) and Adam, without replica groups. A kill is SIGKILL of one
+group's worker (its pid from the group's latest join event), or of one rank of the plain job,
+once the victim has made a step since it (re)started (`benchmarks.ft_jobs` starts, kills
+and stops the jobs). Figures come from the events files (`jdp.launch._ft`'s format for FT;
+`benchmarks.ft_plain`'s for the plain job).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import signal
+import statistics
+import tempfile
+import time
+
+from benchmarks.ft_jobs import (
+    GROUPS,
+    Job,
+    finish,
+    ft_job,
+    kill_schedule,
+    plain_job,
+    read,
+    step_at,
+    steps_of,
+    stop,
+    victim_pid,
+    wait_for,
+)
+from benchmarks.harness import report
+
+WARM, SYNC, CHECKPOINT_EVERY = 20, 10, 100
+BIG_WIDTH = 65_536   # the example's MLP with 18 x 65,536 + 1 = 1.2M parameters
+# duration/every: the goodput runs' seconds and kill interval; steps, repeats, widths: the
+# step-time runs; heal_params: the heal benchmark's state.
+SIZES = {
+    "tiny": dict(duration=20, every=10, steps=60, repeats=1, widths=(64,),
+                 heal_params=1_000_000),
+    "quick": dict(duration=60, every=15, steps=200, repeats=2, widths=(BIG_WIDTH, 64),
+                  heal_params=50_000_000),
+    "full": dict(duration=600, every=60, steps=400, repeats=3, widths=(BIG_WIDTH, 64),
+                 heal_params=50_000_000)}
+
+
+def stalls(job: Job, kills: list) -> list:
+    """Per kill of a group: the survivors' stall, from the kill to the first commit in any
+    survivor's events of a group set without the killed group, or, when the group came back
+    before the survivors committed (they waited for it), to their first commit after its heal;
+    and the returning group's heal time (its heal event's seconds). None where none came."""
+    events = [read(path) for path in job.events]
+    out = []
+    for kill in kills:
+        g, t = kill["victim"], kill["time"]
+        heals = [e for e in events[g] if e["event"] == "heal" and e["time"] > t]
+        back = heals[0]["time"] if heals else float("inf")
+        commits = [e["time"] for s, ev in enumerate(events) if s != g for e in ev
+                   if e["event"] == "commit" and e["time"] > t
+                   and (g not in e["groups"] or e["time"] >= back)]
+        out.append({**kill, "stall_s": min(commits) - t if commits else None,
+                    "waited": bool(commits) and min(commits) >= back,
+                    "heal_s": heals[0]["seconds"] if heals else None,
+                    "heal_step": heals[0]["step"] if heals else None})
+    return out
+
+
+def work(job: Job, start: float, end: float) -> tuple[int, float]:
+    """(steps, full-batch steps) made in (start, end]: a step of the FT job with g of the 3
+    groups counts g / 3 of a full batch (its global batch is g x 16 examples); every step of
+    the plain job is a full batch."""
+    steps = steps_of(job)
+    made = step_at(steps, end) - step_at(steps, start)
+    first: dict = {}
+    for path in job.events:
+        for e in read(path):
+            if e["event"] == "commit" and e["step"] not in first:
+                first[e["step"]] = (e["time"], len(e["groups"]))
+            elif e["event"] == "commit":
+                first[e["step"]] = min(first[e["step"]], (e["time"], len(e["groups"])))
+    if not first:
+        return made, float(made)
+    return made, sum(g for t, g in first.values() if start < t <= end) / GROUPS
+
+
+def goodput_run(make, root: str, size: dict, kill: bool, seed: int = 0) -> dict:
+    """One job for `duration` s after its step WARM, killed every `every` s (or never):
+    {"steps", "batches": what `work` made in that window, "kills": [...]}."""
+    job = make(root)
+    try:
+        start = wait_for(lambda: next((t for t, s in steps_of(job) if s >= WARM), None), 600,
+                      f"step {WARM}")
+        kills = (kill_schedule(job, start, size["duration"], size["every"], random.Random(seed))
+                 if kill else [])
+        time.sleep(max(0.0, start + size["duration"] - time.time()) + 1.0)
+        steps, batches = work(job, start, start + size["duration"])
+        return {"steps": steps, "batches": batches,
+                "kills": stalls(job, kills) if len(job.events) > 1 else kills}
+    finally:
+        stop(job)
+
+
+def goodput(root: str, size: dict) -> dict:
+    """FT and plain-with-checkpoints, each without and then with kills: steps and full-batch
+    steps made in the window; goodput = made with kills / made without kills in as long."""
+    restarts = size["duration"] // size["every"] + 2
+    example = ["examples/fault_tolerant.py", "--steps", "100000000"]
+    makes = {"ft": lambda d: ft_job(d, example, restarts),
+             "plain": lambda d: plain_job(d, ["--steps", "100000000", "--sync_every", str(SYNC),
+                                              "--checkpoint_dir", os.path.join(d, "ckpt"),
+                                              "--every", str(CHECKPOINT_EVERY)], restarts)}
+    out = {}
+    for name, make in makes.items():
+        clean, killed = (goodput_run(make, os.path.join(root, f"{name}-{kill}"), size, kill)
+                         for kill in (False, True))
+        out[name] = {"clean": clean["steps"], "killed": killed["steps"],
+                     "kills": killed["kills"],
+                     "goodput": killed["steps"] / max(clean["steps"], 1),
+                     "batches": killed["batches"] / max(clean["batches"], 1)}
+    return out
+
+
+def heal(root: str, params: int) -> dict:
+    """Kill group 1 of a `benchmarks.ft_heal` job with `params` parameters once it is steady:
+    its heal event's seconds, and the stall of the survivors."""
+    job = ft_job(root, ["-m", "benchmarks.ft_heal", "--params", str(params)], restarts=2)
+    try:
+        wait_for(lambda: sum(e["event"] == "commit" for e in read(job.events[1])) >= 5, 600,
+              "5 steps of the heal job")
+        pid = victim_pid(job, 1)
+        os.kill(pid, signal.SIGKILL)
+        kill = {"victim": 1, "time": time.time(), "pid": pid}
+        wait_for(lambda: [e for e in read(job.events[1]) if e["event"] == "heal"], 600, "heal")
+        (result,) = stalls(job, [kill])
+        place = next(e["place_s"] for e in read(job.events[1]) if e["event"] == "heal")
+        return {**result, "place_s": place, "bytes": params // 4 * 4 * 4}
+    finally:
+        stop(job)
+
+
+def step_times(root: str, size: dict) -> list:
+    """Per (repeat, width), interleaved: the median seconds per step of the FT job and of the
+    plain job, over windows of SYNC steps after step WARM."""
+    out = []
+    for rep in range(size["repeats"]):
+        for width in size["widths"]:
+            common = ["--steps", str(size["steps"]), "--width", str(width)]
+            ft = ft_job(os.path.join(root, f"ft-{rep}-{width}"),
+                        ["examples/fault_tolerant.py", *common], restarts=0)
+            finish(ft, 900)
+            plain = plain_job(os.path.join(root, f"plain-{rep}-{width}"),
+                              [*common, "--sync_every", str(SYNC)], restarts=0)
+            finish(plain, 900)
+            out.append({"width": width, "ft": _per_step(Job([], ft.events[:1])),
+                        "plain": _per_step(plain)})
+    return out
+
+
+def _per_step(job: Job) -> float:
+    steps = [(t, s) for t, s in steps_of(job) if s >= WARM and s % SYNC == 0]
+    pairs = zip(steps, steps[1:], strict=False)
+    return statistics.median((b[0] - a[0]) / (b[1] - a[1]) for a, b in pairs)
+
+
+PARTS = ("heal", "step", "goodput")
+
+
+def measure(size: dict, parts=PARTS) -> dict:
+    """The figures of `parts` ("heal", "step", "goodput"), each in its own temporary
+    directory."""
+    run = {"heal": lambda d: heal(d, size["heal_params"]),
+           "step": lambda d: step_times(d, size), "goodput": lambda d: goodput(d, size)}
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
+        return {part: run[part](os.path.join(root, part)) for part in parts}
+
+
+def _s(x, digits: int = 2) -> str:
+    return "none" if x is None else f"{x:.{digits}f}"
+
+
+def _stall_rows(g: dict) -> list:
+    kills = g["ft"]["kills"]
+    stalled = [k["stall_s"] for k in kills if k["stall_s"] is not None]
+    healed = [k["heal_s"] for k in kills if k["heal_s"] is not None]
+    return [["survivors' stall per kill (max)", f"{_s(max(stalled, default=None))} s (each: "
+             + ", ".join(_s(k["stall_s"]) for k in kills) + ")", "<= 2 s",
+             f"the {len(kills)} kills of the FT goodput run (below); "
+             f"{sum(k.get('waited', False) for k in kills)} of them waited for the group's "
+             "return"],
+            ["heal of the returning group, example's state (max)",
+             f"{_s(max(healed, default=None))} s", "", "the same kills; heal event's seconds"]]
+
+
+def _heal_rows(h: dict) -> list:
+    return [[f"heal of a {h['bytes'] // 4:,}-parameter state", f"{_s(h['heal_s'])} s", "<= 3 s",
+             f"{h['bytes'] / 1e6:,.0f} MB moved (float32 params; SGD keeps no state); placing "
+             f"on the devices {_s(h['place_s'])} s; survivors' stall {_s(h['stall_s'])} s"]]
+
+
+def _step_rows(step: list) -> list:
+    rows = []
+    for width in dict.fromkeys(s["width"] for s in step):
+        runs = [s for s in step if s["width"] == width]
+        ft = statistics.median(s["ft"] for s in runs)
+        plain = statistics.median(s["plain"] for s in runs)
+        ratio = statistics.median(s["ft"] / s["plain"] for s in runs)
+        rows.append([f"step time FT / plain, width {width} ({18 * width + 1:,} params)",
+                     f"{ratio:.2f}x", "<= 1.10x", f"FT {ft * 1e3:.1f} ms, plain {plain * 1e3:.1f}"
+                     f" ms per step; median of {len(runs)} interleaved pair(s)"])
+    return rows
+
+
+def _goodput_rows(g: dict, size: dict) -> list:
+    rows = []
+    for name, label in (("ft", "FT, kills of a group's worker"),
+                        ("plain", f"plain + checkpoint every {CHECKPOINT_EVERY} steps, "
+                                  "kills of a rank, --max_restarts")):
+        x = g[name]
+        rows.append([f"goodput, {label}", f"{x['goodput'] * 100:.1f} % of steps, "
+                     f"{x['batches'] * 100:.1f} % of examples", "",
+                     f"{x['killed']:,} steps vs {x['clean']:,} without kills "
+                     f"({x['clean'] / size['duration']:.1f} steps/s) in {size['duration']} s, "
+                     f"a kill every {size['every']} s"])
+    return rows
+
+
+def render(r: dict, size: dict) -> str:
+    """The markdown: one table of the issue's four figures, then one row per kill."""
+    rows = [*(_stall_rows(r["goodput"]) if "goodput" in r else []),
+            *(_heal_rows(r["heal"]) if "heal" in r else []),
+            *(_step_rows(r["step"]) if "step" in r else []),
+            *(_goodput_rows(r["goodput"], size) if "goodput" in r else [])]
+    kills = r["goodput"]["ft"]["kills"] if "goodput" in r else []
+    per_kill = report.table(
+        ["kill", "group", "survivors' stall (s)", "went on without it", "its heal (s)",
+         "healed at step"],
+        [[i + 1, k["victim"], _s(k["stall_s"]), "no" if k.get("waited") else "yes",
+          _s(k["heal_s"]), k["heal_step"]]
+         for i, k in enumerate(kills)])
+    return (f"3 replica groups x 1 process x 2 CPU devices, each under its own `jdp.launch` "
+            f"(`examples/fault_tolerant.py`, 16 examples per process, Adam); plain: one "
+            f"`jdp.launch --nproc_per_node 3 --devices_per_process 2` job of the same model "
+            f"(`benchmarks.ft_plain`). Goodput: what a run with kills made in a "
+            f"{size['duration']} s window after step {WARM}, over what one without kills made "
+            f"(steps; examples: an FT step with 2 of 3 groups is 2/3 of a batch). "
+            f"{os.cpu_count()} CPU cores shared by all the processes.\n\n"
+            + report.table(["figure", "measured", "target", "how"], rows)
+            + ("\nKills in the FT goodput run (SIGKILL of the group's worker process):\n\n"
+               + per_kill if kills else ""))
+
+
+def table(size: str = "quick") -> str:
+    """The table at `size` ("tiny", "quick", "full"); a line saying why when torchft is absent."""
+    if importlib.util.find_spec("torchft") is None:
+        return ("Not measured: torchft is not installed (pip install 'jdp[ft]').\n\n"
+                + report.table(["figure", "measured"], [["all", "skipped: no torchft"]]))
+    return render(measure(SIZES[size]), SIZES[size])
+
+
+def main(argv=None) -> None:
+    """`python -m benchmarks.ft [--size S] [--parts heal,step,goodput] [--duration D --every E]`:
+    the table, as markdown, on stdout."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ft", description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="quick")
+    p.add_argument("--parts", default=",".join(PARTS), help="which of heal,step,goodput")
+    p.add_argument("--duration", type=int, help="the goodput runs' window (s)")
+    p.add_argument("--every", type=int, help="seconds between kills in the goodput runs")
+    args = p.parse_args(argv)
+    size = {**SIZES[args.size], **{k: v for k, v in (("duration", args.duration),
+                                                       ("every", args.every)) if v}}
+    parts = [x for x in args.parts.split(",") if x]
+    if not set(parts) <= set(PARTS):
+        p.error(f"--parts {args.parts}: choose among {','.join(PARTS)}")
+    print(render(measure(size, parts), size))
+
+
+if __name__ == "__main__":
+    main()
