@@ -23,7 +23,7 @@ from jdp.ft import lighthouse as _lighthouse
 from jdp.ft._coords import Coordinates
 
 HEARTBEAT_MS = 100     # the manager server's heartbeat to the Lighthouse
-OP_TIMEOUT_S = 10      # an all-reduce, a commit vote, a state transfer
+OP_TIMEOUT_S = 10      # default: an all-reduce, a commit vote, a state transfer, a set-up
 CONNECT_TIMEOUT_S = 10
 
 
@@ -63,7 +63,7 @@ def _no_flight_recorder(record: logging.LogRecord) -> bool:
 
 
 def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable,
-            quorum_timeout_s: float):
+            quorum_timeout_s: float, timeout_s: float = OP_TIMEOUT_S):
     """`(manager, process_group, store)`: a torchft Manager for this process, healing
     through `state_dict` / `load_state_dict`, on a gloo process group across the groups.
 
@@ -77,10 +77,10 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
     from torchft.process_group import ProcessGroupGloo
     host = host_name()
     store, port = group_store(host)
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=OP_TIMEOUT_S))
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
     m = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
                 min_replica_size=1, use_async_quorum=False,
-                timeout=timedelta(seconds=OP_TIMEOUT_S),
+                timeout=timedelta(seconds=timeout_s),
                 quorum_timeout=timedelta(seconds=quorum_timeout_s),
                 connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
                 rank=jax.process_index(), world_size=jax.process_count(),

@@ -43,6 +43,10 @@ class Replicas:
         start_timeout: seconds a fresh job's first step waits for all `groups` to join
             before it starts with those present.
         quorum_timeout: seconds one quorum may take before the process raises.
+        timeout: seconds an all-reduce, a commit vote, a state transfer or the set-up of a
+            quorum's process group may take before the attempt is discarded. A group that
+            dies after a quorum counted it and before the process group was set up holds the
+            survivors this long (not the 1 s of a death anywhere else).
 
     Example (in a script started by `jdp.launch --replica_group G ...`)::
 
@@ -54,9 +58,11 @@ class Replicas:
 
     def __init__(self, state: Any, loader: Any = None, *, group: int | None = None,
                  groups: int | None = None, lighthouse: str | None = None,
-                 start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0):
+                 start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0,
+                 timeout: float = _manager.OP_TIMEOUT_S):
         require_job("jdp.ft.Replicas")
-        for name, value in (("start_timeout", start_timeout), ("quorum_timeout", quorum_timeout)):
+        for name, value in (("start_timeout", start_timeout), ("quorum_timeout", quorum_timeout),
+                            ("timeout", timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"jdp.ft.Replicas: {name}={value!r} is not a positive number "
                                  "of seconds; pass one")
@@ -75,7 +81,7 @@ class Replicas:
         primary = jax.process_index() == 0
         self.events = _events.Events(self.coords.events if primary else None)
         self._manager, self._pg, self._store = _manager.manager(
-            self.coords, self._state_dict, self._load_state_dict, quorum_timeout)
+            self.coords, self._state_dict, self._load_state_dict, quorum_timeout, timeout)
         self.events.write("join", group=self.coords.group, pid=os.getpid(),
                           restart=int(os.environ.get(_env.RESTART_COUNT, 0)))
 
