@@ -70,6 +70,7 @@ class Replicas:
         self._state, self.loader = state, loader
         self._position = loader.state_dict() if loader is not None else None
         self.start_timeout = float(start_timeout)
+        self._quorum_timeout = float(quorum_timeout)
         self._healed: Any = None      # a peer's state, placed, for the next step call
         self._batch: Any = None       # the batch of the step under way, kept for a retry
         self._epochs: Iterator | None = None
@@ -138,7 +139,13 @@ class Replicas:
         began = time.monotonic()
         while True:
             self._began = time.perf_counter()
-            self._manager.start_quorum()
+            try:
+                self._manager.start_quorum()
+            except TimeoutError as e:
+                raise TimeoutError(
+                    f"jdp.ft: no quorum within quorum_timeout={self._quorum_timeout:g} s from "
+                    f"the Lighthouse at {self.coords.lighthouse}: is it running and reachable? "
+                    "(this group's launcher restarts it under --max_restarts)") from e
             m = self._manager
             if m.current_step() > 0 or m.num_participants() >= self.coords.groups:
                 return
