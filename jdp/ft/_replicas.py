@@ -145,7 +145,7 @@ class Replicas:
                 raise TimeoutError(
                     f"jdp.ft: no quorum within quorum_timeout={self._quorum_timeout:g} s from "
                     f"the Lighthouse at {self.coords.lighthouse}: is it running and reachable? "
-                    "(this group's launcher restarts it under --max_restarts)") from e
+                    "(its launcher then restarts this group's processes, --max_restarts)") from e
             m = self._manager
             if m.current_step() > 0 or m.num_participants() >= self.coords.groups:
                 return
