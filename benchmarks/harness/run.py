@@ -161,7 +161,8 @@ def main(argv=None) -> None:
     """Measure, then rewrite the generated block of `--output`."""
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument("--output", default="BENCHMARKS.md", help="the file to update")
-    p.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="shorter measurements (~5 minutes; ~15 with the ft extra)")
     p.add_argument("--only", default="", help="comma-separated job names, and `zero`, "
                    "`input`, `overhead`, `checkpoint`, `progress`, `coordination`, `layouts` or "
                    "`ft` for those tables "
