@@ -23,11 +23,12 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# The unit tests and doctests alone, nothing that starts a process: the loop while editing.
+# The unit tests and doctests alone, nothing that starts a process and no unit test marked slow
+# (make test runs those): the loop while editing.
 # XLA's compiled programs stay in .jax_cache/ between runs: a warm run needs a third of the CPU.
 test-fast: install
 	JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$(CURDIR)/.jax_cache} \
-	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 $(PY) -m pytest -q -m "not system"
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 $(PY) -m pytest -q -m "not system and not slow"
 
 # The PyTorch peer is optional: without it the report says the comparison was skipped.
 bench: install

@@ -78,7 +78,7 @@ SYSTEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "system")
 
 def pytest_collection_modifyitems(items) -> None:
     """Mark every test under tests/system/ (those that start processes) `system`, so that
-    `pytest -m "not system"` (make test-fast) is the unit tests alone."""
+    `pytest -m "not system"` is the unit tests alone (make test-fast also leaves out `slow`)."""
     for item in items:
         if str(item.path).startswith(SYSTEM + os.sep):
             item.add_marker(pytest.mark.system)

@@ -203,6 +203,7 @@ def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
     check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
 
 
+@pytest.mark.slow   # half a minute of compiling: make test runs it, make test-fast does not
 def test_flax_lm1b_transformer_gathers_one_block_at_a_time_with_no_change():
     models = fsdp_unrolled.lm1b_models()
     config = models.TransformerConfig(vocab_size=256, output_vocab_size=256, emb_dim=128,
