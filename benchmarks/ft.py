@@ -34,7 +34,6 @@ from benchmarks.ft_jobs import (
     ft_job,
     kill_schedule,
     plain_job,
-    read,
     step_at,
     steps_of,
     stop,
@@ -42,6 +41,7 @@ from benchmarks.ft_jobs import (
     wait_for,
 )
 from benchmarks.harness import report
+from jdp.job.events import read
 
 WARM, SYNC, CHECKPOINT_EVERY = 20, 10, 100
 BIG_WIDTH = 65_536   # the example's MLP with 18 x 65,536 + 1 = 1.2M parameters

@@ -6,7 +6,6 @@ under `DIR/rank.K/`, `--logdir DIR`); `stop` ends a job by SIGTERM to its launch
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -17,6 +16,7 @@ import time
 from typing import NamedTuple
 
 from benchmarks.harness import jobs
+from jdp.job.events import read
 from jdp.job.net import free_port
 
 GROUPS = 3
@@ -26,20 +26,6 @@ class Job(NamedTuple):
     """A started job: its launchers, and the events file of each group (or the plain job's)."""
     launchers: list
     events: list
-
-
-def read(path: str) -> list:
-    """The JSON lines of `path` ([] while it is absent); a line cut short by a kill is left out."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def _launcher(args: list, logdir: str) -> subprocess.Popen:

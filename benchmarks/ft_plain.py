@@ -13,25 +13,14 @@ that logs every few steps).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 
 import fault_tolerant as example  # examples/ (on PYTHONPATH in the benchmark's jobs)
 import jax
 import optax
 
 import jdp
-
-
-def write(path: str, event: str, **fields) -> None:
-    """One JSON line appended in one write: whole or absent when the process is killed."""
-    line = json.dumps({"event": event, **fields, "time": time.time()}) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+from jdp.job import events
 
 
 def parse_args(argv=None):
@@ -51,7 +40,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     jdp.initialize()
     primary = jax.process_index() == 0
-    write(args.events, "join", rank=jax.process_index(), pid=os.getpid(),
+    events.append(args.events, "join", rank=jax.process_index(), pid=os.getpid(),
           restart=int(os.environ.get("JDP_RESTART_COUNT", 0)))
     loader = jdp.data.Loader(example.dataset(), batch_size=args.batch_size, drop_last=True)
     state = jdp.broadcast(jdp.TrainState.create(
@@ -68,7 +57,7 @@ def main(argv=None) -> None:
             if step % args.sync_every == 0:
                 jax.block_until_ready(state)
                 if primary:
-                    write(args.events, "step", step=step)
+                    events.append(args.events, "step", step=step)
             if ckpt is not None and step % args.every == 0:
                 ckpt.save(step, state, loader=loader)
             if step >= args.steps:

@@ -22,8 +22,9 @@ import numpy as np
 from jdp.core import split_train_step
 from jdp.data import DistributedSampler
 from jdp.distributed import require_job
-from jdp.ft import _coords, _events, _exchange, _manager
+from jdp.ft import _coords, _exchange, _manager
 from jdp.job import env as _env
+from jdp.job import events as _events
 
 START_TIMEOUT_S = 300.0   # a fresh job's first step waits this long for every group
 _SUM, _MEAN = "sum", "mean"
@@ -80,10 +81,10 @@ class Replicas:
         self.groups: list = []        # the groups of the last attempt's all-reduce
         self.committed: bool | None = None
         primary = jax.process_index() == 0
-        self.events = _events.Events(self.coords.events if primary else None)
+        self._events = self.coords.events if primary else None   # the group's record
         self._manager, self._pg, self._store = _manager.manager(
             self.coords, self._state_dict, self._load_state_dict, quorum_timeout, timeout)
-        self.events.write("join", group=self.coords.group, pid=os.getpid(),
+        self._record("join", group=self.coords.group, pid=os.getpid(),
                           restart=int(os.environ.get(_env.RESTART_COUNT, 0)))
 
     @property
@@ -170,7 +171,7 @@ class Replicas:
         self.committed = self._manager.should_commit()
         seconds = time.perf_counter() - self._began
         if not self.committed:
-            self.events.write("discard", step=self.step + 1, groups=self.groups,
+            self._record("discard", step=self.step + 1, groups=self.groups,
                               seconds=seconds, error=_error_line(self._manager.errored()))
             return state, metrics
         grads, new_ms, metrics = (_exchange.from_host(tree, values)
@@ -180,7 +181,7 @@ class Replicas:
         if self.loader is not None:   # the batches of the committed steps, all handed out
             self._position = self.loader.state_dict()
         self.history.append((self.step, self.groups))
-        self.events.write("commit", step=self.step, groups=self.groups, seconds=seconds)
+        self._record("commit", step=self.step, groups=self.groups, seconds=seconds)
         return self._state, metrics
 
     def _allreduce(self, host: list) -> tuple[list, list]:
@@ -217,7 +218,7 @@ class Replicas:
         the retry)."""
         began = time.time()
         wire = _exchange.to_wire(_exchange.to_host(self._state))
-        self.events.write("serve", step=self.step, digest=_exchange.digest(wire),
+        self._record("serve", step=self.step, digest=_exchange.digest(wire),
                           began=began)
         return {"state": wire, "loader": self._position}
 
@@ -234,9 +235,14 @@ class Replicas:
             self._epochs, self._batch = None, None
         step = self._manager.current_step()
         if step > 0:   # a fresh job's first quorum syncs every group: not a heal
-            self.events.write("heal", step=step, digest=digest,
+            self._record("heal", step=step, digest=digest,
                               seconds=time.perf_counter() - self._began,
                               place_s=time.perf_counter() - began)
+
+    def _record(self, event: str, **fields: Any) -> None:
+        """One line of the group's events file (`jdp.job.events`), from its process 0."""
+        if self._events is not None:
+            _events.append(self._events, event, **fields)
 
     def close(self) -> None:
         """Leave the job: stop this process's torchft servers."""

@@ -5,6 +5,8 @@ jdp's bottom floor. The launcher (`jdp.launch`, `jdp.spawn`) and the ranks' side
 neither, so the launcher sits on top of the library instead of under it:
 
 - `env`: the names of the environment variables a rank is started with;
+- `events`: a JSON-lines events file a rank appends to and its launcher reads (replica
+  groups' commits, discards, heals);
 - `progress`: each rank's progress slot and the preemption flag;
 - `peers`: the connections between a job's processes (a lost one named, where a peer is);
 - `rank`: the rank side's state, in one object (`current()`), and `preempted`;
@@ -15,9 +17,9 @@ neither, so the launcher sits on top of the library instead of under it:
 - `run`: the rank-side runner (run by path) and the prompt exits a failing rank leaves by;
 - `malloc`: the allocator settings a launcher puts in a rank's environment and a rank applies.
 """
-from jdp.job import env, malloc, net, outcome, peers, progress, rank, run, watchdog
+from jdp.job import env, events, malloc, net, outcome, peers, progress, rank, run, watchdog
 from jdp.job.outcome import EXIT_STALLED
 from jdp.job.rank import preempted
 
-__all__ = ["EXIT_STALLED", "env", "malloc", "net", "outcome", "peers", "preempted", "progress",
-           "rank", "run", "watchdog"]
+__all__ = ["EXIT_STALLED", "env", "events", "malloc", "net", "outcome", "peers", "preempted",
+           "progress", "rank", "run", "watchdog"]

@@ -16,8 +16,7 @@ and replayed: `quorums` says which groups made each committed step.
 """
 from __future__ import annotations
 
-import json
-import os
+from jdp.job import events as _events
 
 SHOWN = 3   # heals and stalls listed one by one in the printed line; the rest counted
 _FIELDS = {"join": ("time",), "commit": ("step", "groups", "seconds", "time"),
@@ -27,19 +26,8 @@ _FIELDS = {"join": ("time",), "commit": ("step", "groups", "seconds", "time"),
 def read_events(path: str | None) -> list:
     """The events in the JSON-lines file at `path` ([] when it is absent). A line that is not
     an event with its fields is skipped: a process killed mid-write leaves a truncated one."""
-    if not path or not os.path.exists(path):
-        return []
-    events = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and all(k in event for k in _FIELDS.get(
-                    event.get("event"), ("?",))):
-                events.append(event)
-    return events
+    return [e for e in _events.read(path)
+            if all(k in e for k in _FIELDS.get(e.get("event"), ("?",)))]
 
 
 def _of(events: list, kind: str) -> list:
