@@ -67,6 +67,18 @@ def write_script(tmp_path, name: str, body: str) -> str:
     return str(path)
 
 
+def launch_fails(tmp_path, capsys, argv) -> str:
+    """`python -m jdp.launch argv... ok.py` exits 2 before starting anything; its last line."""
+    import jdp.launch  # imported late: jax must see XLA_FLAGS first
+    script = write_script(tmp_path, "ok.py", "print('never runs')\n")
+    with pytest.raises(SystemExit) as exit_info:
+        jdp.launch.main([*argv, script])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "never runs" not in err, err
+    return err.splitlines()[-1]
+
+
 def run_python(args, env=None, timeout=120, cwd=None) -> subprocess.CompletedProcess:
     """Run `python args...` to completion (with a timeout) and capture its output."""
     return subprocess.run([sys.executable, *args], env=env or child_env(), cwd=cwd or REPO,

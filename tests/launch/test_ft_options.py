@@ -5,25 +5,12 @@ import socket
 import sys
 
 import pytest
-from conftest import free_port, write_script
-
-import jdp.launch
+from conftest import free_port, launch_fails, write_script
 
 # private: the checked options and the ranks' environment have no public name
 from jdp.launch import _cli, _ft_opts
 
 GROUPS = ["--replica_group", "0", "--replica_groups", "2"]
-
-
-def launch_fails(tmp_path, capsys, argv) -> str:
-    """`python -m jdp.launch argv... ok.py` exits 2 before starting anything; its one line."""
-    script = write_script(tmp_path, "ok.py", "print('never runs')\n")
-    with pytest.raises(SystemExit) as exit_info:
-        jdp.launch.main([*argv, script])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "never runs" not in err, err
-    return err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -4,21 +4,19 @@ finite, in range, ports distinct, JDP_* variables valid, or a one-line error nam
 import subprocess
 
 import pytest
-from conftest import MPIRUN, REPO, assert_one_line, free_port, job_env, mpirun_command, write_script
+from conftest import (
+    MPIRUN,
+    REPO,
+    assert_one_line,
+    free_port,
+    job_env,
+    launch_fails,
+    mpirun_command,
+    write_script,
+)
 
 import jdp
 import jdp.launch
-
-
-def launch_fails(tmp_path, capsys, argv) -> str:
-    """`python -m jdp.launch argv... ok.py` exits 2 before starting anything; its last line."""
-    script = write_script(tmp_path, "ok.py", "print('never runs')\n")
-    with pytest.raises(SystemExit) as exit_info:
-        jdp.launch.main([*argv, script])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "never runs" not in err, err
-    return err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("argv, message", [
