@@ -85,7 +85,7 @@ class Replicas:
         self._manager, self._pg, self._store = _manager.manager(
             self.coords, self._state_dict, self._load_state_dict, quorum_timeout, timeout)
         self._record("join", group=self.coords.group, pid=os.getpid(),
-                          restart=int(os.environ.get(_env.RESTART_COUNT, 0)))
+                     restart=int(os.environ.get(_env.RESTART_COUNT, 0)))
 
     @property
     def step(self) -> int:
@@ -95,7 +95,7 @@ class Replicas:
     @property
     def state(self) -> Any:
         """The latest state: after a heal, the peer's."""
-        return self._healed if self._healed is not None else self._state
+        return self._state
 
     def train_step(self, loss_fn: Callable, **options: Any) -> Callable:
         """`jdp.train_step(loss_fn, **options)` whose gradient is summed over the groups in
@@ -171,8 +171,8 @@ class Replicas:
         self.committed = self._manager.should_commit()
         seconds = time.perf_counter() - self._began
         if not self.committed:
-            self._record("discard", step=self.step + 1, groups=self.groups,
-                              seconds=seconds, error=_error_line(self._manager.errored()))
+            self._record("discard", step=self.step + 1, groups=self.groups, seconds=seconds,
+                         error=_error_line(self._manager.errored()))
             return state, metrics
         grads, new_ms, metrics = (_exchange.from_host(tree, values)
                                   for (tree, _), values in zip(kinds, reduced, strict=True))
@@ -190,7 +190,8 @@ class Replicas:
         rides in the same all-reduce, so the sum names them."""
         import torch
         from torch.distributed import ReduceOp
-        buffers = [_exchange.pack(_floats(values)) for values, _ in host]
+        floats = [_floats(values) for values, _ in host]
+        buffers = [_exchange.pack(pieces) for pieces in floats]
         member = np.zeros(self.coords.groups, np.float32)
         member[self.coords.group] = 1
         tensors = [torch.from_numpy(b) for bufs in buffers for b in bufs.values()]
@@ -204,11 +205,11 @@ class Replicas:
             self._pg.abort()
         groups = [int(i) for i in np.flatnonzero(member > 0.5)]
         out = []
-        for (values, kind), bufs in zip(host, buffers, strict=True):
+        for (values, kind), pieces, bufs in zip(host, floats, buffers, strict=True):
             if kind == _MEAN:
                 for b in bufs.values():
                     b /= max(len(groups), 1)
-            out.append(_merge(values, _exchange.unpack(bufs, _floats(values))))
+            out.append(_merge(values, _exchange.unpack(bufs, pieces)))
         return out, groups
 
     def _state_dict(self) -> dict:
@@ -218,8 +219,8 @@ class Replicas:
         the retry)."""
         began = time.time()
         wire = _exchange.to_wire(_exchange.to_host(self._state))
-        self._record("serve", step=self.step, digest=_exchange.digest(wire),
-                          began=began)
+        if self._events is not None:   # the digest is for the record alone
+            self._record("serve", step=self.step, digest=_exchange.digest(wire), began=began)
         return {"state": wire, "loader": self._position}
 
     def _load_state_dict(self, saved: dict) -> None:
@@ -227,17 +228,17 @@ class Replicas:
         to the peer's position."""
         began = time.perf_counter()
         self._healed = _exchange.from_host(self._state, _exchange.from_wire(saved["state"]))
-        digest = _exchange.digest(saved["state"])
         self._state = self._healed
         if self.loader is not None and saved["loader"] is not None:
             self.loader.load_state_dict(saved["loader"])
             self._position = saved["loader"]
             self._epochs, self._batch = None, None
         step = self._manager.current_step()
-        if step > 0:   # a fresh job's first quorum syncs every group: not a heal
-            self._record("heal", step=step, digest=digest,
-                              seconds=time.perf_counter() - self._began,
-                              place_s=time.perf_counter() - began)
+        # a fresh job's first quorum gives every group the same state: that is not a heal
+        if step > 0 and self._events is not None:
+            self._record("heal", step=step, digest=_exchange.digest(saved["state"]),
+                         seconds=time.perf_counter() - self._began,
+                         place_s=time.perf_counter() - began)
 
     def _record(self, event: str, **fields: Any) -> None:
         """One line of the group's events file (`jdp.job.events`), from its process 0."""
