@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,12 +22,13 @@ import numpy as np
 
 from jdp.core import split_train_step
 from jdp.data import DistributedSampler
-from jdp.distributed import require_job
+from jdp.distributed import print0, require_job
 from jdp.ft import _coords, _exchange, _manager
 from jdp.job import env as _env
 from jdp.job import events as _events
 
 START_TIMEOUT_S = 300.0   # a fresh job's first step waits this long for every group
+NOTICE_S = 10.0           # and says so after this long
 _SUM, _MEAN = "sum", "mean"
 
 
@@ -137,7 +139,7 @@ class Replicas:
     def _quorum(self) -> None:
         """torchft's quorum for the next attempt; a fresh job's first step waits until every
         group has joined (or `start_timeout`)."""
-        began = time.monotonic()
+        began, noticed = time.monotonic(), False
         while True:
             self._began = time.perf_counter()
             try:
@@ -150,7 +152,14 @@ class Replicas:
             m = self._manager
             if m.current_step() > 0 or m.num_participants() >= self.coords.groups:
                 return
-            if time.monotonic() - began > self.start_timeout:
+            waited = time.monotonic() - began
+            if not noticed and waited > NOTICE_S:
+                noticed = True
+                print0(f"jdp.ft: group {self.coords.group} waits for the other replica groups "
+                       f"to join the first step: {m.num_participants()} of "
+                       f"{self.coords.groups} so far (up to start_timeout="
+                       f"{self.start_timeout:g} s)", file=sys.stderr)
+            if waited > self.start_timeout:
                 warnings.warn(f"jdp.ft: {m.num_participants()} of {self.coords.groups} replica "
                               f"groups joined within {self.start_timeout:.0f} s; starting "
                               "with those", stacklevel=3)
