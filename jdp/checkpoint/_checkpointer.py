@@ -44,8 +44,11 @@ _RELISTS = 20  # how often a reader lists again when a writer deletes what it wa
 class Checkpointer:
     """Keeps the last `max_to_keep` checkpoints of a train state in `directory`.
 
-    Every process of the job creates one on the same (shared) directory and calls `save` and
-    `restore` with the same arguments in the same order; other jobs may list and restore.
+    Every process of the job calls `save` and `restore` with the same arguments in the same
+    order, on the same (shared) directory; other jobs may list and restore. Constructing one,
+    `latest_step()` and `all_steps()` are local: any process may call them alone (e.g. inside
+    `if jax.process_index() == 0:`); a save or restore that a process skips is named on every
+    process within seconds.
 
     Args:
         directory: where step directories `<step>/` go (a path or an orbax-supported URL
@@ -91,7 +94,8 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: directory {self.directory!r} is a file, not a "
                              "directory; pass a directory path (it is created if missing)")
         self.timeout_s = float(timeout_s)
-        self._manager = disk.manager(self.directory, max_to_keep, async_save)
+        self._max_to_keep = max_to_keep
+        self._made: Any = None   # orbax's manager, built after the first agreement (`_manager`)
         self._async, self._closed = async_save, False
         self._damaged: set[int] = set()   # steps a restore found damaged: a save may replace them
         self._claimed, self._saving = False, None
@@ -150,6 +154,16 @@ class Checkpointer:
                 self._saving = None
                 self._empty_trash()
 
+    @property
+    def _manager(self) -> Any:
+        """orbax's CheckpointManager, built at the first save or restore, after its agreement:
+        orbax's constructor waits for every process in a barrier of its own, so building it
+        in `__init__` would make constructing a Checkpointer collective (and one built on one
+        process alone would hang there, before any agreement could name it)."""
+        if self._made is None:
+            self._made = self._disk.manager(self.directory, self._max_to_keep, self._async)
+        return self._made
+
     def _write(self, step: int, found: list, position: Any) -> None:
         """Hand the arrays, loader position and record to orbax, whose (background) write empties
         the trash and makes the record from the devices' hashes. With `async_save` these are
@@ -207,12 +221,14 @@ class Checkpointer:
             raise TypeError(f"Checkpointer.restore: loader={type(loader).__name__} has no "
                             "load_state_dict(); pass a jdp.data.Loader, or loader=None")
         asked = None if step is None else _as_step(step)
+        self._agree("restore", asked, [(leaf.name, f"{leaf.dtype}{list(leaf.shape)}")
+                                       for leaf in found] + [("a loader", str(loader is not None))])
         if asked is not None and asked not in self.all_steps():
             raise ValueError(f"Checkpointer.restore: no checkpoint for step {asked} in "
                              f"{self.directory}; saved steps: {self.all_steps()}. Pass one of "
                              "those, or step=None for the newest")
         chosen, values, position = self._first_intact(found, loader, asked)
-        self._agree("restore", chosen)
+        self._agree("restored", chosen)   # a save between two processes' listings: named
         if chosen is None:
             return state
         if loader is not None:
@@ -220,7 +236,9 @@ class Checkpointer:
         return layouts.like(state, tree.rebuild(target, values), "Checkpointer.restore")
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None when nothing has been saved."""
+        """The newest complete checkpoint's step, or None when nothing has been saved.
+
+        Local: it lists the directory and waits for no other process."""
         return (self.all_steps() or [None])[-1]
 
     def all_steps(self) -> list[int]:
@@ -231,13 +249,14 @@ class Checkpointer:
     def close(self) -> None:
         """Finish a background save (raising if it failed) and release orbax's resources."""
         self._finish()
-        self._manager.close()
+        if self._made is not None:
+            self._made.close()
 
     def _wait(self) -> None:
         """Let this Checkpointer's background save, if any, finish (raising if it failed)."""
-        if self._async:
+        if self._async and self._made is not None:
             with self._no_space():
-                self._manager.wait_until_finished()
+                self._made.wait_until_finished()
             self._saving = None
 
     @contextlib.contextmanager
@@ -363,10 +382,12 @@ class Checkpointer:
 
     def _agree(self, what: str, step: int | None, leaves: list | None = None) -> None:
         """Raise on every process unless all call `what` on the same directory with the same
-        `step` (and, saving, the same state's `leaves`); a process that skips the call is
-        named (`jdp.distributed.agree`)."""
+        `step` (and the same state's `leaves`); a process that skips the call is named
+        (`jdp.distributed.agree`). Save and restore agree before any of orbax's work, which
+        waits for every process in barriers of its own; "restored" agrees on the step read."""
         facts = [("the directory", self.directory), ("the step", str(step)), *(leaves or [])]
-        agree(f"checkpoint-{what}", facts, f"Checkpointer.{what}",
+        call = "restore" if what == "restored" else what
+        agree(f"checkpoint-{what}", facts, f"Checkpointer.{call}",
               f"every process must call {what} with the same step and state on one shared "
               "directory (the same path on every process)", self.timeout_s)
 

@@ -15,7 +15,7 @@ import numpy as np
 from flax.training import train_state
 
 from jdp.core import _checks, _inflight, _mesh, _zero, forms, layouts, prng_keys
-from jdp.distributed import agree_once, broadcast_for, require_job
+from jdp.distributed import agree, agree_once, broadcast_for, require_job
 
 
 class TrainState(train_state.TrainState):
@@ -185,7 +185,8 @@ def unshard(tree: Any) -> Any:
     gets its parameters and optimizer state back unpadded; any other tree (`state.params`, a
     dict of its leaves) gets its sharded parameters (`Sharded` leaves) back as plain arrays.
     What is stored plainly comes back as it is. For export and inspection: a collective, so
-    every process calls it.
+    every process calls it; it is announced first, so a process that skips it is named on
+    every process within seconds.
 
     Raises:
         ValueError: `tree` holds optimizer-state leaves stored split (padded) without their
@@ -207,6 +208,7 @@ def unshard(tree: Any) -> Any:
         raise ValueError("jdp.unshard: the state is in the pmap form (placed by jdp.pmap), "
                          "whose leaves are whole already: jdp.pmap.unreplicate(state) gives "
                          "one copy")
+    _announce_unshard(tree)
     if getattr(tree, "tx", None) is None or getattr(tree, "opt_state", None) is None:
         return _unsharded_params(tree)
     logical = _zero.logical_opt_state(tree)
@@ -217,6 +219,21 @@ def unshard(tree: Any) -> Any:
         return _unsharded_params(tree, refuse_split=False)   # e.g. split by the user's own jit
     return tree.replace(params=_unsharded_params(params),
                         opt_state=_zero.gathered(opt_state, logical))
+
+
+def _announce_unshard(tree: Any) -> None:
+    """Every process gathers the same tree: an agreement point before the gathers, so a
+    process that skips `unshard` (or passes another tree) is named on every process instead
+    of leaving the others in a gather forever."""
+    if jax.process_count() == 1:
+        return
+    require_job("jdp.unshard")
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_zero.is_sharded)[0]
+    facts = [(jax.tree_util.keystr(path) or "<root>",
+              f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
+             for path, x in flat]
+    agree("unshard", facts, "jdp.unshard", "every process must call jdp.unshard on the same "
+          "tree (it gathers the shards every process holds)")
 
 
 def _split(x: Any) -> bool:

@@ -14,9 +14,10 @@ that differs; process 0 then raises only once every process has named it (`_all_
 Nothing waits forever: while a process waits for a verdict it looks, once every `poll_s`,
 where process 0 waits; process 0 looks where the missing processes wait (one directory
 read). A process that waits at a point this one has not begun means the processes took
-different paths through the program: that deadlock is named at once, and a process that
-never comes is named after `timeout_s`. Process 0 writes such a finding as the verdict, so
-every process raises the same error.
+different paths through the program: that deadlock is named at once (each process finds it
+in its own wait), and a process that never comes is named after `timeout_s`. Process 0
+writes such a finding as the verdict, so every process raises the same error; it prints it
+before it lingers for the others to read theirs.
 
 A process that is not at the point at all is asked where it is (over the roll call's
 connections, `Peers`): one whose script has ended is named at once; after `ANNOUNCE_S` one that
@@ -85,17 +86,23 @@ def agree_in_store(client: Any, me: Process, topic: str, facts: Sequence[tuple[s
         _judge(client, here)
     verdict = _verdict(client, me, here, timeout_s, poll_s)
     if "error" in verdict:
-        _leave(me)
+        _leave(me, verdict["message"])
         raise _ERRORS[verdict["error"]](verdict["message"])
     if "differ" in verdict:
         _name_difference(client, me, here, text, verdict["differ"], fix, timeout_s)
 
 
-def _leave(me: Process) -> None:
-    """Before raising an error verdict: process 0, which holds the store, first lets the
-    others read theirs (at this point, or naming the same deadlock at theirs)."""
-    if me.peers is not None and me.rank == 0:
-        time.sleep(LINGER_S)
+def _leave(me: Process, message: str) -> None:
+    """Before raising an error verdict, let the other processes find theirs: process 0, which
+    holds the store, lets them read it (at this point, or naming the same deadlock at theirs),
+    and says the verdict before it waits; another process waits one look of process 0's
+    (`POLL_S`), so that a launcher that stops the job at the first failure does not end
+    process 0 before it has named the deadlock too."""
+    if me.peers is None:
+        return
+    if me.rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    time.sleep(LINGER_S if me.rank == 0 else POLL_S + 0.5)
 
 
 def _judge(client: Any, here: _Point) -> None:

@@ -28,6 +28,8 @@ HEARTBEAT_TIMEOUT = "JDP_HEARTBEAT_TIMEOUT"
 SHUTDOWN_TIMEOUT = "JDP_SHUTDOWN_TIMEOUT"
 CLUSTER_DETECTION = "JDP_CLUSTER_DETECTION"
 PROGRESS_TIMEOUT = "JDP_PROGRESS_TIMEOUT"
+STARTUP_TIMEOUT = "JDP_STARTUP_TIMEOUT"   # with a progress timeout: the most a round waits
+                                          # for its first record (default 600 s)
 STOP_GRACE = "JDP_STOP_GRACE"
 PROFILE_STEPS = "JDP_PROFILE_STEPS"   # "A:B": trace training steps A..B on every rank
 PROFILE_DIR = "JDP_PROFILE_DIR"       # where the ranks write their traces (rank.K below it)
@@ -51,7 +53,7 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"   # XLA's simulated
 
 # --- the user's settings, parsed at start (a bad one is a one-line error, never ignored) ---
 _WHOLE_SECONDS = {INIT_TIMEOUT: 60, HEARTBEAT_TIMEOUT: 30, SHUTDOWN_TIMEOUT: 300}
-_SECONDS = {PROGRESS_TIMEOUT: 600, STOP_GRACE: 30}
+_SECONDS = {PROGRESS_TIMEOUT: 600, STOP_GRACE: 30, STARTUP_TIMEOUT: 600}
 MAX_SECONDS = 7 * 24 * 3600.0   # a week: beyond it a wait is a mistake (and past ~292 years,
                                 # threading's TIMEOUT_MAX, an OverflowError in a waiting thread)
 _SWITCHES = {"JDP_MALLOC_TUNING": ("0", "1", "off", "on", "false", "true", "no", "yes")}

@@ -10,6 +10,7 @@ import enum
 import signal
 from typing import NamedTuple
 
+from jdp.job import env as _env
 from jdp.job import watchdog as _watchdog
 
 EXIT_STALLED = 124   # the progress watchdog stopped the job (as coreutils' `timeout`)
@@ -115,8 +116,13 @@ def report(outcome: Outcome, job: Job) -> str:
 
 def _stalled(stall: Stall, who: str, timeout_s: float) -> str:
     """Who is behind, their stacks (the first few), where the rest went."""
+    never = all(p.phase == "start" for p in stall.progress)   # the start-up limit fired
     lines = [f"{who}: {stall.finished}: the step they wait in can never complete."
-             if stall.finished else f"{who}: no rank made progress for {timeout_s:g} s "
+             if stall.finished else f"{who}: no rank made progress since it started "
+             f"(--progress_timeout {timeout_s:g} s; start-up gets at most "
+             f"{_env.STARTUP_TIMEOUT}, default {_watchdog.STARTUP_S:g} s): "
+             f"{_watchdog.describe(stall.progress)}." if never else
+             f"{who}: no rank made progress for {timeout_s:g} s "
              f"(--progress_timeout): {_watchdog.describe(stall.progress)}."]
     for rank in sorted(stall.stacks)[:_watchdog.MAX_STACKS]:
         dump = stall.stacks[rank].rstrip("\n").splitlines()

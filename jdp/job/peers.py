@@ -17,7 +17,8 @@ every other process (`_rendezvous`); the others keep theirs to process 0. On the
 * `{"where"}` / `{"here": place}`: where a peer is (its phase, step and the collective call it
   waits in), answered by this module's thread while the main thread may be blocked.
 * `{"verdict": text}`: the job ends with `text` (a collective call that a process skipped):
-  the receiver prints it and exits 1 at once, so no process is left to be aborted.
+  the receiver prints it and exits 1 at once, so no process is left to be aborted;
+  process 0 passes it on to every other process first.
 * `{"failed": text}`: the process raised `text` and ends (its uncaught exception): when its
   connection then closes, the peer names that failure, not a lost process.
 
@@ -39,6 +40,7 @@ from jdp.job import run as _run
 
 GRACE_S = 3.0        # time the main thread gets to fail by itself after a loss is known
 ANSWER_S = 2.0       # the most a question to the peers waits for their answers
+PASS_ON_S = 0.5      # process 0 lingers this long after passing on a verdict
 # TCP keepalive on the connections (idle s, interval s, probes): a node that vanishes without
 # closing them (power loss, a partition) is noticed after about 5 + 2 * 3 = 11 s.
 KEEPALIVE = (5, 2, 3)
@@ -170,9 +172,23 @@ class Peers:
                 self.answered.notify_all()
         elif "verdict" in message:
             print(message["verdict"], file=sys.stderr, flush=True)
+            self._pass_on(rank, message)
             _run.leave_with(1)
             self.goodbye()
             _run.exit_now(1)
+
+    def _pass_on(self, sender: int, message: dict) -> None:
+        """Process 0, told by process `sender` that the job ends, tells every other process
+        (only process 0 is connected to all) and gives them `PASS_ON_S` to print it: with 3
+        or more processes, the others would otherwise lose the coordination service, which
+        ends with process 0, before they read the verdict, and fail with raw errors."""
+        if self.me != 0:
+            return
+        others = [r for r in self.conns if r != sender]
+        for other in others:
+            self.send(other, message)
+        if others:
+            time.sleep(PASS_ON_S)
 
     def _lose(self, rank: int, failed: str | None,
               how: str = "its connection closed without leaving the job") -> None:

@@ -30,7 +30,8 @@ import time
 
 from jdp.job import env as _env
 
-PHASES = ("start", "step", "data", "eval", "checkpoint", "other", "done")
+PHASES = ("start", "step", "data", "eval", "checkpoint", "other", "done", "wait")  # wait: at
+# an agreement point (`jdp.distributed.agree`), for the other processes
 COMPILE = len(PHASES)            # the accumulator of a jitted step's first call (compilation)
 SLOT = struct.Struct("<QqB")    # progress count, steps run (-1: none yet), phase index
 # The slot: SLOT and the time of the last record (HEAD), the first record's time, seconds

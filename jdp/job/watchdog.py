@@ -1,8 +1,11 @@
 """The supervisor's progress watchdog: notice a job that stopped moving, and say who is behind.
 
 The watchdog reads every rank's slot file (`_progress`) about twice a second and remembers, by
-its own clock, when each last changed; it arms only once some rank recorded progress, so
-start-up and the first compilation are never timed. A rank blocked outside a collective (a hung
+its own clock, when each last changed; it arms once some rank recorded progress (a step, a
+batch, a checkpoint, or a wait at an agreement point), so the first compilation is timed only
+from there. Until then a round's start-up gets `startup_s` (default STARTUP_S, or
+JDP_STARTUP_TIMEOUT), never less than the progress timeout: ranks that never record (stuck
+in their imports, or in a collective before any jdp call) are named with their stacks too. A rank blocked outside a collective (a hung
 read, a deadlock) leaves its peers waiting inside the next one, so the ranks with the fewest
 steps are the ones to look at. A rank whose code finished (phase "done", recorded at its exit)
 while another waits in a later step than it ran is named at once (FINISHED_WAIT_S): that step
@@ -28,6 +31,7 @@ READ_EVERY_S = 0.5
 STACK_WAIT_S = 3.0        # for faulthandler's dump to finish
 MAX_STACKS = 4            # stuck ranks whose stacks are shown in full
 FINISHED_WAIT_S = 2.0     # a finished rank and a peer in a later step, unmoved this long
+STARTUP_S = 600.0         # the most a round waits for its first record (JDP_STARTUP_TIMEOUT)
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
 
 
@@ -41,9 +45,11 @@ class RankProgress(NamedTuple):
 class Watchdog:
     """Watches the slot files of a supervisor's ranks; `stalled()` says when and who."""
 
-    def __init__(self, slots: dict, timeout_s: float):
+    def __init__(self, slots: dict, timeout_s: float | None, startup_s: float | None = None):
         self.slots = slots                 # rank -> slot file path
         self.timeout_s = timeout_s
+        self.startup_s = max(timeout_s or 0.0, startup_s or STARTUP_S)
+        self._started = time.monotonic()
         self._seen: dict = {}              # rank -> last (count, step, phase)
         self._last_move: float | None = None
         self._next_read = 0.0
@@ -69,10 +75,11 @@ class Watchdog:
                 if value is not None and value[0] > 0 and value != self._seen.get(rank):
                     self._seen[rank] = value
                     self._last_move = now
-        if self.timeout_s is None or self._last_move is None or (
-                now - self._last_move < self.timeout_s):
+        if self.timeout_s is None:
             return None
-        return self.progress()
+        if self._last_move is None:   # start-up: no rank recorded anything yet
+            return self.progress() if now - self._started >= self.startup_s else None
+        return self.progress() if now - self._last_move >= self.timeout_s else None
 
 
 def finished_early(progress: list) -> str | None:

@@ -41,7 +41,7 @@ MIN_STEPS = 5              # steps seen on every rank before anyone is named
 WARN_EVERY_S = 60.0        # at most one straggler warning a minute while the job runs
 BUCKETS = ("startup", "steps", "data", "eval", "checkpoint", "lost", "other")
 _PHASE_BUCKET = {"start": "other", "step": "steps", "data": "data", "eval": "eval",
-                 "checkpoint": "checkpoint", "other": "other", "done": "other"}
+                 "checkpoint": "checkpoint", "other": "other", "done": "other", "wait": "other"}
 _LABELS = {"startup": "start-up+compile", "steps": "steps", "data": "data", "eval": "eval",
            "checkpoint": "checkpoints", "lost": "lost work", "other": "other"}
 
@@ -297,7 +297,7 @@ class Ledger:
         return {"wall_s": round(wall, 3), "buckets_s": _rounded(total),
                 "goodput": round(total["steps"] / wall, 4) if wall > 0 else 0.0,
                 "rounds": self.rounds, "lost_steps": self.lost_steps,
-                "stragglers": self.stragglers,
+                "last_round_failed": self._failed_last, "stragglers": self.stragglers,
                 "ranks": {str(r): d for r, d in ranks.items()},
                 "profiles": _profile_opts.trace_files(self.logdir)}
 
@@ -306,9 +306,7 @@ class Ledger:
         s = summary or self.summary()
         b = s["buckets_s"]
         parts = ", ".join(f"{_LABELS[k]} {b[k]:.1f} s" for k in BUCKETS)
-        if s.get("lost_steps"):
-            parts += (f" ({sum(s['lost_steps'])} steps redone after {len(s['lost_steps'])} "
-                      "failed round(s))")
+        parts += _redone(s.get("lost_steps") or [], s.get("last_round_failed", False))
         nodes = f" on {len(s['nodes'])} nodes" if "nodes" in s else ""
         text = (f"{self.who}: goodput {100 * s['goodput']:.1f} % of {s['wall_s']:.1f} s "
                 f"wall{nodes}: {parts}")
@@ -374,6 +372,19 @@ def merge(own: dict, others: dict) -> dict:
             "nodes": {k: {key: s[key] for key in ("wall_s", "buckets_s", "goodput", "rounds",
                                                   "lost_steps", "stragglers") if key in s}
                       for k, s in nodes.items()}}
+
+
+def _redone(lost_steps: list, last_failed: bool) -> str:
+    """The goodput line's words for the steps failed rounds lost: redone only where a restart
+    followed (a job whose last round failed did not redo that round's steps)."""
+    redone = lost_steps[:-1] if last_failed else lost_steps
+    words = []
+    if sum(redone):
+        words.append(f"{sum(redone)} steps redone after {len(redone)} restart(s)")
+    if last_failed and lost_steps and lost_steps[-1]:
+        words.append(f"{lost_steps[-1]} steps since the last checkpoint lost in the failed "
+                     "last round")
+    return f" ({'; '.join(words)})" if words else ""
 
 
 def _wall_clock_arrivals(times: dict) -> dict:

@@ -130,7 +130,9 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
             ledger.begin(slots)
         for spec in specs:
             ranks.append(_start(spec, output, events, workdir))
-        watchdog = _watchdog.Watchdog(slots, limits.progress_timeout_s) if slots else None
+        watchdog = _watchdog.Watchdog(slots, limits.progress_timeout_s,
+                                      _env.seconds(os.environ, _env.STARTUP_TIMEOUT)
+                                      ) if slots else None
         outcome = _supervise(ranks, events, received, limits, watchdog, start, stop, ledger,
                              drain)
     finally:

@@ -64,6 +64,22 @@ def test_no_progress_before_the_first_record_is_not_a_stall(tmp_path, tag):
     assert proc.returncode == 0, err
 
 
+def test_a_start_up_that_never_records_is_named_after_the_start_up_limit(tmp_path, tag):
+    """Ranks stuck before any record (their imports, a collective before any jdp call) are
+    named with their stacks once JDP_STARTUP_TIMEOUT has passed, not left to hang."""
+    script = write_script(tmp_path, "hung_start.py", "import time\ntime.sleep(300)\n")
+    start = time.time()
+    proc = start_launcher(["--nproc_per_node", 2, "--progress_timeout", 1, script],
+                          job_env(tag, JDP_STARTUP_TIMEOUT="4"))
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 124, err
+    assert 4 <= time.time() - start < 25, err
+    assert "no rank made progress since it started" in err, err
+    assert "JDP_STARTUP_TIMEOUT" in err and "before its first step in phase start" in err, err
+    assert f'File "{script}", line 2, in <module>' in err, err
+    assert wait_until_gone(tag, timeout=2.0) < 2.0
+
+
 def test_spawn_raises_timeout_error_naming_the_stuck_rank(tagged):
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:

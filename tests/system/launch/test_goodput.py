@@ -252,7 +252,7 @@ def test_a_job_killed_twice_counts_only_the_steps_redone_as_lost(tmp_path, tag):
     redone = [killed[a] - resumed[a + 1] for a in (0, 1)]     # 23 - 20, 32 - 30
     print(f"calm {calm['buckets_s']}\nhurt {hurt['buckets_s']} lost steps {hurt['lost_steps']}")
     assert hurt["lost_steps"] == redone
-    assert f"({sum(redone)} steps redone after 2 failed round(s))" in err, err[-2000:]
+    assert f"({sum(redone)} steps redone after 2 restart(s))" in err, err[-2000:]
     assert hurt["rounds"] == 3 and hurt["buckets_s"]["lost"] > 0
     assert sum(hurt["buckets_s"].values()) == pytest.approx(hurt["wall_s"], rel=0.01)
     # The same work trained: the same order of step time (a bound, not a timing: 8 parallel
