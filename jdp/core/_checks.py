@@ -75,14 +75,19 @@ def unsynced_model_state(leaf: str, how: str) -> ValueError:
         "model_state_sync='mean' to average it after each step")
 
 
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes over which `x` varies inside `jax.shard_map` (empty outside it, and
+    where types are not checked). The aval's `manual_axis_type.varying` is shard_map's record
+    of them (what its out_specs check reads); JAX has no function that returns it."""
+    typed = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(typed, "varying", ()))
+
+
 def same_model_state(new_ms: Any, field: str) -> None:
     """`model_state_sync=None` inside `shard_map`: no leaf of the new model state may vary
     over `jdp.AXIS` (said at trace time, by the value's type)."""
     for path, x in jax.tree_util.tree_flatten_with_path(new_ms)[0]:
-        # The aval's `manual_axis_type.varying` is shard_map's record of the axes a value
-        # varies over (what its out_specs check reads); JAX has no function that returns it.
-        varying = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ())
-        if _mesh.AXIS in varying:
+        if _mesh.AXIS in varying_axes(x):
             raise unsynced_model_state(field + leaf_name(path).replace("<root>", ""),
                                        "is computed from each device's batch with no "
                                        "collective over jdp.AXIS, so it may vary by device")
@@ -348,6 +353,19 @@ def boolean_mask(mask: Any) -> None:
     if mask.dtype != jnp.bool_:
         raise TypeError(f"batch['mask'] has dtype {mask.dtype}: expected bool (True for the rows "
                         "that count); pass mask.astype(bool), or weights as a metric of your own")
+
+
+def own_metric_names(metrics: dict, taken: tuple) -> None:
+    """The loss's aux metrics may not use a name the step gives its own metrics: "loss" is
+    the objective it differentiates, averaged over the devices, and a user's "loss" (say,
+    the data term of a regularised objective) would silently replace it."""
+    for name in taken:
+        if name in metrics:
+            raise ValueError(
+                f"loss_fn's metrics hold {name!r}, the name of the step's own metric (the loss "
+                "it differentiates, averaged over the devices), which they would replace: "
+                f"rename yours (e.g. {name + '_term'!r}), or drop it: metrics[{name!r}] is "
+                "the loss_fn's loss already")
 
 
 def per_example(values: Any, b: int) -> None:

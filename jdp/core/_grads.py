@@ -54,6 +54,7 @@ def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
     if model_state is not None:
         _checks.new_model_state(model_state, new_model_state, has_aux)
     metrics = metrics if isinstance(metrics, dict) else {"aux": metrics}
+    _checks.own_metric_names(metrics, ("loss", STOP, MODEL_STATE_DIFFERS))
     return loss, (metrics, new_model_state)
 
 

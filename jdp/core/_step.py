@@ -43,6 +43,14 @@ def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
     Returns:
         The reduced gradients, same structure and dtypes as `grads`.
 
+    Raises:
+        ValueError: a leaf of `grads` is typed as not varying over `axis_name` inside a
+            `jax.shard_map` that checks types (`check_vma=True`, JAX's default): JAX's
+            autodiff has already summed it over the devices (the gradient of parameters
+            replicated over the axis), and reducing it again would give the sum, N times
+            the mean. Mark the parameters varying first (`lax.pcast(params, axis_name,
+            to="varying")`, as `jdp.train_step` does) or use `check_vma=False`.
+
     Example:
         >>> import jdp, numpy as np
         >>> reduce = jax.pmap(lambda g: jdp.reduce_gradients(g, axis_name="i"), axis_name="i")
@@ -50,12 +58,32 @@ def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
         >>> float(reduce(np.arange(n, dtype=np.float32))[0]) == (n - 1) / 2
         True
     """
+    _not_summed_yet(grads, axis_name)
     if comm_dtype is None:
         return lax.pmean(grads, axis_name) if mean else lax.psum(grads, axis_name)
     dtypes = jax.tree.map(lambda g: g.dtype, grads)
     summed = lax.psum(jax.tree.map(lambda g: g.astype(comm_dtype), grads), axis_name)
     size = lax.psum(1, axis_name) if mean else 1
     return jax.tree.map(lambda g, d: g.astype(d) / size if mean else g.astype(d), summed, dtypes)
+
+
+def _not_summed_yet(grads: Any, axis_name: str) -> None:
+    """Refuse gradients that JAX's autodiff already summed over `axis_name` (see
+    `reduce_gradients`), read from the values' types at trace time. Where types are not
+    checked (`jax.pmap`, `shard_map(check_vma=False)`) even `lax.axis_index` does not vary,
+    and nothing can be told: the caller's gradients are taken as per device."""
+    if axis_name not in _checks.varying_axes(lax.axis_index(axis_name)):
+        return
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if axis_name not in _checks.varying_axes(g):
+            raise ValueError(
+                f"jdp.reduce_gradients: gradient {_checks.leaf_name(path)} is already summed "
+                f"over axis {axis_name!r} by JAX's autodiff (inside jax.shard_map with "
+                "check_vma=True, JAX's default, the gradient of parameters replicated over the "
+                "axis comes back summed over its devices, and a mean of that sum is N times "
+                "too large): mark the parameters varying before taking the gradient, "
+                f"params = lax.pcast(params, {axis_name!r}, to='varying'), or pass "
+                "check_vma=False to jax.shard_map")
 
 
 def device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options):
