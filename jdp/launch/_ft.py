@@ -16,6 +16,8 @@ and replayed: `quorums` says which groups made each committed step.
 """
 from __future__ import annotations
 
+import statistics
+
 from jdp.job import events as _events
 
 SHOWN = 3   # heals and stalls listed one by one in the printed line; the rest counted
@@ -53,26 +55,51 @@ def failures(events: list) -> list:
     group of the commit before it) that no discard since that commit explains already (a
     kill in a step is one discard, then the redone step with fewer groups: one failure).
 
-    Each is {"step", "stall_s", "groups_after"}: the stall is the time of the next commit
-    minus that of the last commit before the failure (or the start of the discarded attempt
-    when none came before), minus the next commit's own seconds: the time lost to the
-    failure; None (and groups_after []) when no commit came after it."""
+    Each is {"step", "stall_s", "groups_after"}: the stall is what the failure cost this
+    group, the time from the last commit before it (or the start of the discarded attempt
+    when none came before) to the next commit, less one ordinary step (the median of the
+    commits' seconds; the next commit's own seconds contain the wait, so they are no measure
+    of a step); None (and groups_after []) when no commit came after it. A gap in which this
+    group itself restarted (a "join" with restart > 0) is its downtime (`downtimes`), not a
+    stall."""
+    typical = _typical_step(events)
     found, last, pending, previous = [], None, [], None
     for e in events:
         if e.get("event") == "discard":
             pending.append(e)
+        elif e.get("event") == "join" and e.get("restart", 0) > 0:
+            pending, last, previous = [], None, None   # its own restart: downtime
         elif e.get("event") == "commit":
             dropped = previous is not None and not previous <= set(e["groups"])
             for cause in pending or ([e] if dropped else []):
-                found.append(_failure(cause, last, e))
+                found.append(_failure(cause, last, e, typical))
             pending, last, previous = [], e, set(e["groups"])
-    return found + [_failure(cause, last, None) for cause in pending]
+    return found + [_failure(cause, last, None, typical) for cause in pending]
 
 
-def _failure(cause: dict, before: dict | None, after: dict | None) -> dict:
+def downtimes(events: list) -> list:
+    """This group's own restarts: [{"step", "downtime_s"}], the time from its last commit (or
+    event) before the restart to its first commit after it, heal included."""
+    found, last, down = [], None, None
+    for e in events:
+        if e.get("event") == "join" and e.get("restart", 0) > 0:
+            down = last if last is not None else e
+        elif e.get("event") == "commit":
+            if down is not None:
+                found.append({"step": e["step"], "downtime_s": round(e["time"] - down["time"], 3)})
+                down = None
+            last = e
+    return found
+
+
+def _typical_step(events: list) -> float:
+    seconds = [e["seconds"] for e in events if e.get("event") == "commit"]
+    return statistics.median(seconds) if seconds else 0.0
+
+
+def _failure(cause: dict, before: dict | None, after: dict | None, typical: float) -> dict:
     start = before["time"] if before else cause["time"] - cause["seconds"]
-    stall = None if after is None else round(max(0.0, after["time"] - after["seconds"] - start),
-                                             3)
+    stall = None if after is None else round(max(0.0, after["time"] - start - typical), 3)
     return {"step": cause["step"], "stall_s": stall,
             "groups_after": sorted(after["groups"]) if after else []}
 
@@ -93,12 +120,15 @@ def section(events: list, group: int, groups: int) -> dict | None:
             "discarded_s": round(sum((e["seconds"] for e in discards), 0.0), 3),
             "fewer_groups_steps": sum(len(set(e["groups"])) < groups for e in commits),
             "quorums": quorums(commits), "failures": failures(events),
+            "downtimes": downtimes(events),
             "heals": [{"step": e["step"], "seconds": e["seconds"]} for e in _of(events, "heal")]}
 
 
 def amend(summary: dict, ft: dict | None) -> dict:
     """The goodput summary with the `"ft"` section added and the discarded attempts' seconds
-    moved from "steps" to "lost" (every rank of the group ran them), its goodput anew."""
+    moved from "steps" to "lost" (every rank of the group ran them), its goodput anew. A group
+    that healed after a restart redid no step (it took the live peers' state): its failed
+    rounds' `lost_steps` are 0."""
     if ft is None:
         return summary
 
@@ -111,7 +141,10 @@ def amend(summary: dict, ft: dict | None) -> dict:
     ranks = {r: {**d, "buckets_s": moved(d["buckets_s"])}
              for r, d in summary.get("ranks", {}).items()}
     wall = summary["wall_s"]
-    return {**summary, "buckets_s": buckets, "ranks": ranks, "ft": ft,
+    lost_steps = summary.get("lost_steps", [])
+    if ft["heals"]:
+        lost_steps = [0] * len(lost_steps)
+    return {**summary, "buckets_s": buckets, "ranks": ranks, "ft": ft, "lost_steps": lost_steps,
             "goodput": round(buckets["steps"] / wall, 4) if wall > 0 else 0.0}
 
 
@@ -125,6 +158,10 @@ def line(who: str, ft: dict) -> str:
             f"{len(heals)} heal{'' if len(heals) == 1 else 's'}")
     if heals:
         text += " (" + _listed([f"{h['seconds']:.1f} s at step {h['step']}" for h in heals]) + ")"
+    down = ft.get("downtimes", [])
+    if down:
+        text += (f", down {sum(d['downtime_s'] for d in down):.1f} s in {len(down)} "
+                 f"restart{'' if len(down) == 1 else 's'}")
     return text + ", " + _stalls(ft["failures"])
 
 

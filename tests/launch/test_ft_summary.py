@@ -86,8 +86,33 @@ def test_two_discards_before_one_commit_are_two_failures_with_the_same_stall():
 def test_the_line_says_it_all_in_one_line():
     line = _ft.line(WHO, _ft.section(EVENTS, 1, 3))
     assert line == ("jdp.launch: ft group 1 of 3: 8 steps committed (3 with fewer groups), "
-                    "2 discarded, 1 heal (0.4 s at step 7), stalls 3.5 s (1.5 s, 2.0 s, none "
-                    "after step 9 (no later commit))")
+                    "2 discarded, 1 heal (0.4 s at step 7), down 3.0 s in 1 restart, stalls "
+                    "3.5 s (1.5 s, 2.0 s, none after step 9 (no later commit))")
+
+
+def test_a_stall_whose_wait_is_inside_the_next_commit_counts_the_wait():
+    """The attempt after a kill waits in its quorum for the dead group: its own seconds hold
+    the wait, so the stall is the gap between commits less an ordinary step (the median)."""
+    events = [commit(1, [0, 1, 2], 0.25, 1.0), commit(2, [0, 1, 2], 0.25, 1.25),
+              commit(3, [0, 1], 1.25, 2.5),     # 1.0 s of wait inside its 1.25 s
+              commit(4, [0, 1], 0.25, 2.75)]
+    assert _ft.failures(events) == [{"step": 3, "stall_s": 1.0, "groups_after": [0, 1]}]
+
+
+def test_a_groups_own_restart_is_downtime_not_a_stall():
+    events = [commit(1, [0, 1], 0.5, 1.0), commit(2, [0, 1], 0.5, 1.5),
+              {"event": "join", "group": 1, "restart": 1, "time": T + 50.0},
+              {"event": "heal", "step": 40, "seconds": 0.5, "time": T + 58.0},
+              commit(41, [0, 1], 0.5, 59.0)]    # 1059.0 - 1001.5 = 57.5 s down
+    assert _ft.failures(events) == []
+    assert _ft.downtimes(events) == [{"step": 41, "downtime_s": 57.5}]
+
+
+def test_a_healed_group_redid_no_step():
+    s = {**summary(steps=6.0, lost=0.5), "lost_steps": [1404], "last_round_failed": False}
+    assert _ft.amend(s, _ft.section(EVENTS, 1, 3))["lost_steps"] == [0]
+    unhealed = _ft.section(EVENTS[:6], 1, 3)
+    assert _ft.amend(s, unhealed)["lost_steps"] == [1404]
 
 
 def test_the_line_of_a_quiet_run():

@@ -69,7 +69,7 @@ def test_the_launcher_starts_the_lighthouse_and_every_rank_reaches_it(tmp_path, 
     assert ft == {"group": 1, "groups": 2, "committed": 3, "discarded": 0, "discarded_s": 0.0,
                   "fewer_groups_steps": 2, "quorums": [[1, 1, [0, 1]], [2, 3, [0]]],
                   "failures": [{"step": 2, "stall_s": 0.75, "groups_after": [0]}],
-                  "heals": []}
+                  "downtimes": [], "heals": []}
     assert ("jdp.launch: ft group 1 of 2: 3 steps committed (2 with fewer groups), 0 discarded, "
             "0 heals, stalls 0.8 s") in err
 
