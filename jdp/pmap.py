@@ -148,21 +148,25 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     mean what they mean for `jdp.train_step`; `model_state_sync=None` leaves each device its
     own model state.
     """
-    train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype)
-    bool_options(has_aux=has_aux, donate=donate)
+    who = "jdp.pmap.train_step"
+    o = {**train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype,
+                         who=who),
+         **bool_options(who, has_aux=has_aux, donate=donate)}
     body = functools.partial(
-        device_train_step, loss_fn=loss_fn, has_aux=has_aux, grad_reduce=grad_reduce,
-        accum_steps=accum_steps, model_state_sync=model_state_sync, comm_dtype=comm_dtype)
+        device_train_step, loss_fn=loss_fn, has_aux=o["has_aux"], grad_reduce=o["grad_reduce"],
+        accum_steps=o["accum_steps"], model_state_sync=o["model_state_sync"],
+        comm_dtype=comm_dtype)
     transform = functools.partial(_marked_pmap, axis_name=AXIS,
-                                  donate_argnums=(0,) if donate else ())
-    check = functools.partial(_check, accum_steps=accum_steps, train=True)
-    return make_step(body, check, transform, _place_stop, max_in_flight=max_in_flight,
-                               train=True, donate=donate)
+                                  donate_argnums=(0,) if o["donate"] else ())
+    check = functools.partial(_check, accum_steps=o["accum_steps"], train=True)
+    return make_step(body, check, transform, _place_stop, max_in_flight=o["max_in_flight"],
+                               train=True, donate=o["donate"])
 
 
 def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
     """`jdp.eval_step` in the pmap form: totals come back stacked (every copy the same)."""
-    train_options("mean", 1, "mean", max_in_flight)
+    max_in_flight = train_options("mean", 1, "mean", max_in_flight,
+                                  who="jdp.pmap.eval_step")["max_in_flight"]
     body = functools.partial(device_eval_step, metric_fn=metric_fn)
     return make_step(body, functools.partial(_check, accum_steps=1),
                                functools.partial(_marked_pmap, axis_name=AXIS), _place_stop,

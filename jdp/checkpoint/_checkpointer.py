@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import operator
 import os
 import threading
 import warnings
@@ -37,6 +36,10 @@ from jdp.checkpoint._integrity import CorruptCheckpointError, Damaged
 from jdp.core import layouts, not_donated
 from jdp.distributed import agree, barrier, require_job
 from jdp.job import rank as _rank
+from jdp.job import values
+from jdp.job.env import MAX_SECONDS
+
+WHO = "jdp.checkpoint.Checkpointer"
 
 _RELISTS = 20  # how often a reader lists again when a writer deletes what it was reading
 
@@ -77,15 +80,12 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
                  timeout_s: float = 300.0, async_save: bool = False):
-        require_job("jdp.checkpoint.Checkpointer")
-        if max_to_keep is not None and (isinstance(max_to_keep, bool)
-                                        or not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"max_to_keep={max_to_keep!r} must be an integer >= 1, or None "
-                             "to keep every checkpoint")
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save={async_save!r} must be True or False")
+        require_job(WHO)
+        if max_to_keep is not None:
+            max_to_keep = values.integer(WHO, "max_to_keep", max_to_keep, minimum=1,
+                                         fix="or None to keep every checkpoint")
+        timeout_s = values.seconds(WHO, "timeout_s", timeout_s, maximum=MAX_SECONDS)
+        async_save = values.flag(WHO, "async_save", async_save)
         text = os.fspath(directory)  # a local path, or a URL such as gs://bucket/run
         self.directory = text if "://" in text else os.path.abspath(os.path.expanduser(text))
         from jdp.checkpoint import _orbax as disk  # not at `import jdp`: orbax takes 0.5 s
@@ -93,7 +93,7 @@ class Checkpointer:
         if self._root.exists() and not self._root.is_dir():
             raise ValueError(f"Checkpointer: directory {self.directory!r} is a file, not a "
                              "directory; pass a directory path (it is created if missing)")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s
         self._max_to_keep = max_to_keep
         self._made: Any = None   # orbax's manager, built after the first agreement (`_manager`)
         self._async, self._closed = async_save, False
@@ -393,12 +393,7 @@ class Checkpointer:
 
 
 def _as_step(step: Any) -> int:
-    if isinstance(step, bool) or not hasattr(type(step), "__index__"):
-        raise TypeError(f"step={step!r} must be an integer, e.g. int(state.step)")
-    value = operator.index(step)
-    if value < 0:
-        raise ValueError(f"step={value} must be >= 0")
-    return value
+    return values.integer("Checkpointer", "step", step, minimum=0, fix="e.g. int(state.step)")
 
 
 def _loader_position(loader: Any) -> dict | None:

@@ -6,41 +6,46 @@ per new input signature (while jit traces), never on the per-step path.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jdp.core import _mesh, _zero, forms
+from jdp.job import values
 
 MAX_IN_FLIGHT = 16
 
 
 def train_options(grad_reduce: str, accum_steps: int, model_state_sync: Any,
-                  max_in_flight: int, comm_dtype: Any = None) -> None:
-    """Check `jdp.train_step`'s options (once, when the step is made)."""
-    if grad_reduce not in ("mean", "sum"):
-        raise ValueError(f"grad_reduce={grad_reduce!r}: expected 'mean' (DDP) or 'sum'")
-    if not _is_int(accum_steps) or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r}: expected an int >= 1 (1: no accumulation)")
-    if model_state_sync not in ("mean", None):
-        raise ValueError(f"model_state_sync={model_state_sync!r}: expected 'mean' or None; for "
-                         f"SyncBatchNorm build the model with nn.BatchNorm(axis_name=jdp.AXIS)")
-    if not _is_int(max_in_flight) or not 1 <= max_in_flight <= MAX_IN_FLIGHT:
-        raise ValueError(f"max_in_flight={max_in_flight!r}: expected an int in 1..{MAX_IN_FLIGHT}; "
-                         "hundreds of queued multi-device all-reduces can stall XLA's CPU "
-                         "rendezvous, and 2 already keeps the devices busy")
+                  max_in_flight: int, comm_dtype: Any = None, *, who: str = "") -> dict:
+    """Check a step's options (once, when the step is made) by `jdp.job.values`' rules;
+    returns them as the step uses them (a NumPy integer as an int)."""
+    checked = {
+        "grad_reduce": values.choice(who, "grad_reduce", grad_reduce, ("mean", "sum"),
+                                     fix="'mean' averages the gradients as DDP does"),
+        "accum_steps": values.integer(who, "accum_steps", accum_steps, minimum=1,
+                                      fix="the micro-batches per step (1: no accumulation)"),
+        "model_state_sync": values.choice(
+            who, "model_state_sync", model_state_sync, ("mean", None),
+            fix="for SyncBatchNorm build the model with nn.BatchNorm(axis_name=jdp.AXIS)"),
+        "max_in_flight": values.integer(
+            who, "max_in_flight", max_in_flight, minimum=1, maximum=MAX_IN_FLIGHT,
+            fix="hundreds of queued multi-device all-reduces can stall XLA's CPU rendezvous, "
+                "and 2 already keeps the devices busy"),
+    }
     if comm_dtype is not None and not _is_float_dtype(comm_dtype):
-        raise ValueError(f"comm_dtype={comm_dtype!r}: expected a floating dtype such as "
-                         "jnp.bfloat16 (gradients would be truncated), or None")
+        raise ValueError(f"{who + ': ' if who else ''}comm_dtype={comm_dtype!r}: expected a "
+                         "floating dtype such as jnp.bfloat16 (gradients would be truncated), "
+                         "or None")
+    return checked
 
 
-def bool_options(**options: Any) -> None:
-    """Flags must be bools (a truthy number or string is a mistake, not a choice)."""
-    for option, value in options.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{option}={value!r}: expected True or False")
+def bool_options(who: str = "", **options: Any) -> dict:
+    """Flags must be True or False (a truthy number or string is a mistake, not a choice);
+    returns them as Python bools."""
+    return {option: values.flag(who, option, value) for option, value in options.items()}
 
 
 def fsdp_comm_dtype(shard_params: Any, comm_dtype: Any, compute_dtype: Any) -> None:
@@ -121,10 +126,6 @@ def trainable(params: Any) -> None:
             raise ValueError(f"parameter leaf {leaf_name(path)} has dtype {dtype}: jdp takes the "
                              "gradient of every parameter, so they must be floating; keep "
                              "integer values out of params (e.g. in model_state, or as constants)")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_float_dtype(dtype: Any) -> bool:
@@ -224,21 +225,27 @@ def _same_groups(shard_params: Any, have: int | None) -> None:
                          "shard_params to jdp.broadcast and jdp.train_step")
 
 
-def shard_params_option(value: Any) -> Any:
+SHARD_PARAMS = ('True or False, "node", or an int >= 2 that divides the device count (HSDP: '
+                'groups of that many consecutive devices)')
+
+
+def shard_params_option(value: Any, who: str = "jdp.train_step") -> Any:
     """`shard_params` is True/False, "node", or an int >= 2 (the group size, HSDP; groups of
-    one device would be replication: False); a numpy scalar counts as its Python value.
+    one device would be replication: False); NumPy's bools and integers count as Python's.
     Returns the value as the step uses it."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if not isinstance(value, (bool, int, str)):
-        raise TypeError(f"shard_params={value!r} is a {type(value).__name__}: expected True or "
-                        "False, \"node\", or an int >= 2 that divides the device count (HSDP: "
-                        "groups of that many consecutive devices)")
-    if not (isinstance(value, bool) or value == "node" or (isinstance(value, int) and value > 1)):
-        raise ValueError(f"shard_params={value!r}: expected True or False, \"node\", or an "
-                         "int >= 2 that divides the device count (HSDP: groups of that many "
-                         "consecutive devices)")
-    return value
+    if values.is_bool(value):
+        return bool(value)
+    if isinstance(value, str):
+        if value == "node":
+            return value
+        raise values.wrong_value(who, "shard_params", value, SHARD_PARAMS)
+    try:
+        group = operator.index(value)
+    except TypeError:
+        raise values.wrong_type(who, "shard_params", value, SHARD_PARAMS) from None
+    if group < 2:
+        raise values.wrong_value(who, "shard_params", value, SHARD_PARAMS)
+    return group
 
 
 def _on_mesh(x: jax.Array) -> bool:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdp.core import _mesh, _zero
+from jdp.job import values
 
 
 class _Gathering(NamedTuple):
@@ -272,22 +273,24 @@ def layer_policy(loss_fn: Callable, *, modules: Any = None, min_params: int | No
     Example:
         >>> loss = layer_policy(lambda params, batch: 0.0, min_params=1_000_000)
     """
+    who = "jdp.layer_policy"
     modules = (modules,) if isinstance(modules, type) else modules
-    if modules is not None and not (isinstance(modules, tuple) and modules
-                                    and all(isinstance(m, type) for m in modules)):
-        raise TypeError(f"layer_policy(modules={modules!r}): expected a module class or a "
-                        "tuple of them, e.g. modules=nn.Dense")
-    if min_params is not None and (isinstance(min_params, bool) or not isinstance(
-            min_params, int) or min_params < 1):
-        raise ValueError(f"layer_policy(min_params={min_params!r}): expected an int >= 1, a "
-                         "parameter count")
+    what = "a module class or a tuple of them"
+    if modules is not None and not isinstance(modules, tuple):
+        raise values.wrong_type(who, "modules", modules, what, "e.g. modules=nn.Dense")
+    if modules is not None and not (modules and all(isinstance(m, type) for m in modules)):
+        raise values.wrong_value(who, "modules", modules, what, "e.g. modules=nn.Dense")
+    if min_params is not None:
+        min_params = values.integer(who, "min_params", min_params, minimum=1,
+                                    fix="a parameter count")
+    enabled = values.flag(who, "enabled", enabled, fix="False gathers no layer on its own")
     if modules is not None and min_params is not None:
-        raise ValueError("layer_policy: give modules= or min_params=, not both")
+        raise ValueError(f"{who}: give modules= or min_params=, not both")
 
     @functools.wraps(loss_fn)
     def loss(*args, **kwargs):
         return loss_fn(*args, **kwargs)
-    setattr(loss, _POLICY, Policy(modules, min_params, bool(enabled)))
+    setattr(loss, _POLICY, Policy(modules, min_params, enabled))
     return loss
 
 

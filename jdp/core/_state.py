@@ -90,6 +90,9 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False,
         >>> state["w"].sharding.is_fully_replicated, state["w"].shape
         (True, (3,))
     """
+    shard_optimizer = _checks.bool_options("jdp.broadcast",
+                                           shard_optimizer=shard_optimizer)["shard_optimizer"]
+    shard_params = _checks.shard_params_option(shard_params, who="jdp.broadcast")
     other = layouts.of(tree, "jdp.broadcast")
     if other is not None:
         raise ValueError(f"jdp.broadcast: the state is in the {other.name} form "
@@ -169,10 +172,11 @@ def divisible_rows(rows: Any, who: str) -> Any:
     def check(path, x):
         x = x if isinstance(x, jax.Array) else np.asarray(x)
         if x.ndim == 0 or x.shape[0] % n:
+            rows = "no rows (a scalar)" if x.ndim == 0 else f"{x.shape[0]} rows"
             raise ValueError(
-                f"{who}: leaf {jax.tree_util.keystr(path) or 'batch'} has shape {x.shape}; "
-                f"its leading axis must be divisible by the {n} local devices: pick a batch size "
-                f"that is a multiple of {n}")
+                f"{who}: leaf {jax.tree_util.keystr(path) or 'batch'} has {rows}, which the "
+                f"{n} local devices cannot split evenly: pass a multiple of {n} rows per "
+                "process (the leading axis is the rows)")
         return x
 
     return jax.tree_util.tree_map_with_path(check, rows)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdp.core import _checks, _dispatch, _grads, _mesh, _zero
 from jdp.core._mesh import AXIS
-from jdp.distributed import require_job
+from jdp.distributed import agree_once, require_job
 
 
 def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
@@ -58,6 +58,7 @@ def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
         >>> float(reduce(np.arange(n, dtype=np.float32))[0]) == (n - 1) / 2
         True
     """
+    mean = _checks.bool_options("jdp.reduce_gradients", mean=mean)["mean"]
     _not_summed_yet(grads, axis_name)
     if comm_dtype is None:
         return lax.pmean(grads, axis_name) if mean else lax.psum(grads, axis_name)
@@ -117,13 +118,18 @@ class StepOptions:
     cast_batch: bool = True
 
     def __post_init__(self) -> None:
-        _checks.train_options(self.grad_reduce, self.accum_steps, self.model_state_sync,
-                              self.max_in_flight, self.comm_dtype)
+        who = "jdp.train_step"
+        checked = _checks.train_options(self.grad_reduce, self.accum_steps,
+                                        self.model_state_sync, self.max_in_flight,
+                                        self.comm_dtype, who=who)
         _checks.dtype_option("compute_dtype", self.compute_dtype)
-        _checks.bool_options(has_aux=self.has_aux, donate=self.donate,
-                             shard_optimizer=self.shard_optimizer, cast_batch=self.cast_batch)
-        # np.int64(4) is taken as 4: the frozen field holds the value the checks return
-        object.__setattr__(self, "shard_params", _checks.shard_params_option(self.shard_params))
+        checked.update(_checks.bool_options(
+            who, has_aux=self.has_aux, donate=self.donate, shard_optimizer=self.shard_optimizer,
+            cast_batch=self.cast_batch))
+        checked["shard_params"] = _checks.shard_params_option(self.shard_params, who)
+        # np.int64(4) is taken as 4, np.True_ as True: the frozen fields hold the checked values
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
         _checks.fsdp_comm_dtype(self.shard_params, self.comm_dtype, self.compute_dtype)
 
     @property
@@ -311,12 +317,14 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         _checks.placed_state(state, options.shard_optimizer, options.shard_params)
         _checks.global_batch(batch, options.accum_steps)
 
+    donate = options.donate
     transform = functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
     announce = _dispatch.collective_call("train_step", "jdp.train_step", False,
                                          **options.agreed())
-    step = _dispatch.make_step(body, check, transform, place_stop, max_in_flight=max_in_flight,
-                               train=True, donate=donate, announce=announce)
-    if options.shard_params and model_state_sync is None:
+    step = _dispatch.make_step(body, check, transform, place_stop,
+                               max_in_flight=options.max_in_flight, train=True, donate=donate,
+                               announce=announce)
+    if options.shard_params and options.model_state_sync is None:
         return _model_state_checked(step)
     return step
 
@@ -412,20 +420,72 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
         >>> float(totals["sq"]) / float(totals["count"])
         4.0
     """
-    _checks.train_options("mean", 1, "mean", max_in_flight)
-    per_device = functools.partial(device_eval_step, metric_fn=metric_fn)
+    max_in_flight = _checks.train_options("mean", 1, "mean", max_in_flight,
+                                          who="jdp.eval_step")["max_in_flight"]
+    # While the step traces a new input signature, before it can run, the processes agree on
+    # the tree metric_fn returns (names, dtypes, per-device shapes): metrics that differ would
+    # be summed into each other by the one psum, or hang it, and each process would go on
+    # with its own answer. One process: `agree_once` returns at once.
+    who, agreed = "jdp.eval_step", set()
+    tree: list = []   # the metric tree of the trace under way, as shapes and dtypes
+    per_device = functools.partial(device_eval_step, metric_fn=_noting(metric_fn, tree))
 
     def body(state, batch, stop):
         if hasattr(state, "params"):  # sharded parameters (FSDP) in the model's own shapes
             state = state.replace(params=_zero.logical(state.params))
-        return jax.shard_map(per_device, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
-                             out_specs=P())(state, batch, stop)
+        totals = jax.shard_map(per_device, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
+                               out_specs=P())(state, batch, stop)
+        agree_once(agreed, "eval-metrics", tree[0], who, "every process's metric_fn must "
+                   "return the same metrics (names, dtypes, per-example shapes) for the same "
+                   "batch")
+        return totals
 
     def check(state, batch):
-        require_job("jdp.eval_step")
+        require_job(who)
         _checks.placed_state(state, shard_optimizer=None)
+        batch_rows(batch, who)
         _checks.global_batch(batch, 1)
 
     return _dispatch.make_step(body, check, jax.jit, place_stop, max_in_flight=max_in_flight,
                                train=False, announce=_dispatch.collective_call(
-                                   "eval_step", "jdp.eval_step", True))
+                                   "eval_step", who, True))
+
+
+def _noting(metric_fn: Callable, tree: list) -> Callable:
+    """`metric_fn`, noting as `tree[0]` the shapes and dtypes it returns each time it traces
+    (None for leaves that are no arrays: the step's own check names those)."""
+    def noted(state, batch):
+        values = metric_fn(state, batch)
+        try:
+            tree[:] = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
+                                                                   jnp.result_type(x)), values)]
+        except TypeError:
+            tree[:] = [None]
+        return values
+    return noted
+
+
+def batch_rows(batch: Any, who: str) -> None:
+    """An evaluation's batch, said in rows: every leaf has as many, they split evenly over
+    all devices, and `batch["mask"]` is one flag a row."""
+    leaves, n = _checks.batch_leaves(batch), jax.device_count()
+    (first, x0), *rest = leaves
+    if not jnp.shape(x0):
+        raise ValueError(f"{who}: batch leaf {_checks.leaf_name(first)} is a scalar; a batch "
+                         "holds one row per example: pass arrays [rows, ...] (jdp.shard(rows) "
+                         "or a jdp.data.Loader's batches)")
+    rows = jnp.shape(x0)[0]
+    for path, x in rest:
+        if jnp.shape(x)[:1] != (rows,):
+            raise ValueError(f"{who}: batch leaf {_checks.leaf_name(path)} has "
+                             f"{jnp.shape(x)[0] if jnp.shape(x) else 'no'} rows but "
+                             f"{_checks.leaf_name(first)} has {rows}: every leaf holds one row "
+                             "per example")
+    if rows % n:
+        raise ValueError(f"{who}: the batch has {rows} rows, which do not split evenly over the "
+                         f"{n} devices: pass a multiple of {n} rows (a jdp.data.Loader pads the "
+                         "last batch and masks the padding out)")
+    mask = batch.get("mask") if isinstance(batch, dict) else None
+    if mask is not None and jnp.ndim(mask) != 1:
+        raise ValueError(f"{who}: batch['mask'] has shape {jnp.shape(mask)}; expected one flag "
+                         f"per row, shape ({rows},): True for the rows that count")

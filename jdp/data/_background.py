@@ -102,7 +102,7 @@ class _Prefetcher:
                                    "error (interpreter shutting down?)")
             if self._timeout is not None and time.monotonic() - start > self._timeout:
                 self.close()
-                raise TimeoutError(f"Loader: no batch arrived within timeout={self._timeout} s; "
+                raise TimeoutError(f"Loader: no batch arrived within timeout={self._timeout:g} s; "
                                    "is reading the source stuck? Pass a larger timeout= to the "
                                    "Loader if reading one batch legitimately takes longer")
 

@@ -19,8 +19,11 @@ exactly once per epoch and evaluation over a split is exact (`jdp.eval_step` wei
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +36,8 @@ from jdp.data import _background, _sampler, _sources
 from jdp.data._sampler import DistributedSampler, _require_int
 from jdp.distributed import AGREE_TIMEOUT_S, agree, agree_once, require_job
 from jdp.job import rank as _rank
+from jdp.job import values
+from jdp.job.env import MAX_SECONDS
 
 
 class Loader:
@@ -44,6 +49,16 @@ class Loader:
     takes), plus `batch["mask"]`, bool `[global_batch]`: True for real examples, False for
     padding. After the last batch `epoch` advances by one and `step` returns to 0; stopping
     early keeps the position, so the next iteration continues there.
+
+    A peek loses nothing, as with torch (whose `iter(DataLoader)` starts afresh): the batch of
+    `next(iter(loader))` goes back, as does that of an iterator kept from `iter(loader)` (`it
+    = iter(loader); next(it)`) that is superseded by a later `iter(loader)` after one batch;
+    so the next loop starts with it. A loop of jdp steps (`jdp.train_step`, `jdp.eval_step`
+    ran after every earlier batch) left early gives back its last batch if no step ran on it.
+    Anything else handed out counts as used: a step of your own (a `jax.jit` function) cannot
+    be seen. Leaving after a single batch that no jdp step ran on, other than by a peek as
+    above, keeps that batch used, and the next loop, starting after it, says so (a warning,
+    once per Loader).
 
     `batch_size` is per process: the examples this process feeds its local devices, split
     evenly over them. The epoch's last partial batch is padded up to `batch_size` (its padding
@@ -84,9 +99,9 @@ class Loader:
     Example:
         >>> import numpy as np
         >>> loader = Loader({"x": np.zeros((100, 3)), "y": np.arange(100)}, batch_size=16)
-        >>> batch = next(iter(loader))
-        >>> batch["x"].shape, len(loader), loader.step   # 7 batches (the last padded), 1 taken
-        ((16, 3), 7, 1)
+        >>> batch = next(iter(loader))   # a peek: the batch goes back
+        >>> batch["x"].shape, len(loader), loader.step   # 7 batches (the last padded)
+        ((16, 3), 7, 0)
     """
 
     def __init__(self, source: Any, batch_size: int, sampler: DistributedSampler | None = None,
@@ -102,7 +117,8 @@ class Loader:
         self.devices = list(jax.local_devices() if devices is None else devices)
         self.batch_size = _require_int("Loader", "batch_size", batch_size, 1,
                                        "pass the number of examples per batch on this process")
-        self.drop_last, self.transform = bool(drop_last), transform
+        self.drop_last = values.flag("Loader", "drop_last", drop_last)
+        self.transform = transform
         self.prefetch = _require_int("Loader", "prefetch", prefetch, 0,
                                      "pass the number of batches to prepare ahead (0: none)")
         self.num_workers = _require_int("Loader", "num_workers", num_workers, 0,
@@ -114,6 +130,9 @@ class Loader:
             _background.check_picklable(self._recipe, self.num_workers)
         self._epoch, self._start, self._step = self.sampler.epoch, 0, 0
         self._active: weakref.ref | None = None
+        self._run: _Pass | None = None   # the active iterator's record (what it handed out)
+        self._left_one: tuple | None = None   # (epoch, step) after a pass left after one batch
+        self._said_left_one = False
         self._signatures: set = set()   # batch signatures the processes agreed on
         self._pool: _background.Pool | None = None
         self._stop_pool: weakref.finalize | None = None
@@ -152,27 +171,43 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict]:
         self._follow_sampler()
+        self._end_active()
+        self._after_one_batch()
+        run = _Pass(sys._getframe(1))
+        batches = self._iterate(run)
+        self._active, self._run = weakref.ref(batches), run
+        return batches
+
+    def _end_active(self) -> None:
+        """Before a new pass: a `for` loop still running over the Loader is refused (nested
+        loops would share its position); an iterator made by `iter(loader)` is superseded
+        (what it handed out and no step used goes back; using it again raises)."""
         active = self._active() if self._active else None
-        if active is not None and inspect.getgeneratorstate(active) in (
+        if active is None or inspect.getgeneratorstate(active) not in (
                 inspect.GEN_SUSPENDED, inspect.GEN_RUNNING):
+            self._close_active()
+            return
+        run = self._run
+        if run is None or not run.explicit:
             raise RuntimeError(f"Loader: iter(loader) while an earlier iterator over it is still "
                                f"active at (epoch, step)={(self._epoch, self._step)}: nested "
                                "loops over one Loader would share its position; finish, break "
                                "out of or close() the first loop, or build a second Loader for "
                                "the inner one")
-        self._close_active()
-        batches = self._iterate()
-        self._active = weakref.ref(batches)
-        return batches
+        run.superseded = True
+        self._abandoned(run)
+        self._active = self._run = None
+        if run.batches is not None:
+            run.batches.close()   # its prefetch thread stops; the generator raises if used
 
-    def _iterate(self) -> Iterator[dict]:
+    def _iterate(self, run: _Pass) -> Iterator[dict]:
         self._agree()
         indices, real = self.sampler.pass_rows(self._start)
         plan = _sources.EpochPlan(indices, real, self.batch_size, self.sampler.seed, self._epoch)
         items = range(self._step, self._num_batches(self._start))
         host, place = self._host_batches(plan, items), self._place
-        batches = _background.prefetched(lambda b: place(host(b)), items, self.prefetch,
-                                         self.timeout)
+        batches = run.batches = _background.prefetched(lambda b: place(host(b)), items,
+                                                       self.prefetch, self.timeout)
         with contextlib.closing(batches), self._workers_broken_on_timeout():
             while True:
                 _rank.record("data")  # waiting for a batch: a rank stuck reading shows "data"
@@ -185,10 +220,44 @@ class Loader:
                                    self.timeout or AGREE_TIMEOUT_S)
                 self._inside_epoch()
                 self._step += 1
+                run.hand_out()
                 self._window.handed(batch, count=True)
-                yield batch
-        self._active = None  # finished: _move must not close this (running) generator
+                try:
+                    yield batch
+                except GeneratorExit:   # closed or collected mid-epoch, here:
+                    if self._run is run:
+                        self._abandoned(run, _closer())
+                    raise
+                if run.superseded:
+                    raise RuntimeError(f"Loader: this iterator was superseded by a later "
+                                       f"iter(loader), which continues from (epoch, step)="
+                                       f"{(self._epoch, self._step)}; a Loader has one position, "
+                                       "so use the newest iterator only, or build a second "
+                                       "Loader for a second stream of batches")
+        self._active = self._run = None  # finished: _move must not close this running generator
         self._move(self._epoch + 1, 0)
+
+    def _abandoned(self, run: _Pass, dropped: tuple | None = None) -> None:
+        """An iterator left mid-epoch (dropped or closed at `dropped`): its batch that no step
+        used goes back (`_Pass.unused`). One left after its only batch otherwise is noted:
+        the next pass that starts after it says so (it may have been meant as a peek)."""
+        back = run.unused(dropped)
+        self._step -= back
+        if not back and run.one_unstepped():
+            self._left_one = (self._epoch, self._step)
+
+    def _after_one_batch(self) -> None:
+        """Once per Loader, a pass starting right after one left after its only batch, which
+        no jdp step ran on, says that batch was used up (torch would start afresh)."""
+        if self._said_left_one or self._left_one != (self._epoch, self._step):
+            return
+        self._said_left_one = True
+        warnings.warn(f"jdp.data.Loader: this loop starts at batch {self._step} of epoch "
+                      f"{self._epoch}, after an iterator over the Loader that was left after "
+                      "one batch with no jdp step run on it, so that batch counts as used "
+                      "(torch's DataLoader starts every loop afresh); to look at a batch "
+                      "without using it up take next(iter(loader)) in one statement, which "
+                      "gives it back", stacklevel=3)
 
     def _agree(self) -> None:
         """At the start of every pass: every process has the same dataset size, batch size,
@@ -223,8 +292,9 @@ class Loader:
             raise
 
     def close(self) -> None:
-        """Stop the worker processes now (idempotent; the next iteration starts new ones)."""
-        self._close_active()
+        """Stop the worker processes now (idempotent; the next iteration starts new ones); an
+        iterator still open is left as a loop left early is (see the class: what goes back)."""
+        self._close_active(abandon=True)
         self._stop_workers()
 
     def _stop_workers(self) -> None:
@@ -285,9 +355,13 @@ class Loader:
         if self.sampler.epoch != self._epoch:
             self._move(self.sampler.epoch, 0)
 
-    def _close_active(self) -> None:
+    def _close_active(self, abandon: bool = False) -> None:
+        """Close the active iterator; `abandon`: its unused batch goes back (`close()`), else
+        the position is about to be set (`_move`)."""
         active = self._active() if self._active is not None else None
-        self._active = None
+        run, self._active, self._run = self._run, None, None
+        if abandon and run is not None and active is not None:
+            self._abandoned(run)
         if active is not None:
             active.close()
 
@@ -296,6 +370,75 @@ class Loader:
                 f"{len(self.devices)}, num_workers={self.num_workers}, drop_last="
                 f"{self.drop_last}, epoch={self._epoch}, step={self._step}, len={len(self)}, "
                 f"sampler={self.sampler!r})")
+
+
+def _statement(frame: Any) -> tuple:
+    """The statement `frame` executes: its code, the frame and the line."""
+    return frame.f_code, id(frame), frame.f_lineno
+
+
+def _closer() -> tuple | None:
+    """The statement that closed or dropped the generator calling this (None: none, as at
+    interpreter exit)."""
+    try:
+        return _statement(sys._getframe(2))
+    except ValueError:
+        return None
+
+
+class _Pass:
+    """One iteration over the Loader: where it was made, what it handed out and which of it a
+    jdp step used, so that an iterator left mid-epoch gives back the batch no step used.
+
+    jdp's steps count their calls (`in_flight.jdp_calls`, as `jdp.core.StepWindow` reads
+    them): a call between two hand-outs means a step ran on the earlier batch. A user's own
+    `jax.jit` step leaves no trace, so without jdp steps only a peek gives its batch back.
+    """
+
+    def __init__(self, caller: Any):
+        self.made = _statement(caller)    # the statement that called iter(loader)
+        self.explicit = not _for_statement(caller)
+        self.handed = 0                   # batches handed out
+        self.stepped = True               # a jdp step ran between every two hand-outs
+        self.calls = 0                    # jdp_calls at the last hand-out
+        self.superseded = False           # a later iter(loader) took over
+        self.batches: Any = None          # the prefetcher, stopped when superseded
+
+    def hand_out(self) -> None:
+        calls = _rank.current().in_flight.jdp_calls
+        if self.handed and calls == self.calls:
+            self.stepped = False
+        self.handed, self.calls = self.handed + 1, calls
+
+    def _last_unstepped(self) -> bool:
+        return self.handed > 0 and _rank.current().in_flight.jdp_calls == self.calls
+
+    def one_unstepped(self) -> bool:
+        """One batch handed out and no jdp step after it."""
+        return self.handed == 1 and self._last_unstepped()
+
+    def unused(self, dropped: tuple | None) -> int:
+        """Batches to give back (0 or 1): the last one if no jdp step ran after it, in a loop
+        of jdp steps (one ran after every earlier batch), or in a peek: an iterator made by
+        `iter(loader)` that handed out one batch and was dropped in the statement that made
+        it (`next(iter(loader))`) or superseded by a later `iter(loader)`."""
+        if self.handed > 1:
+            return int(self.stepped and self._last_unstepped())
+        peek = self.explicit and (self.superseded or dropped == self.made)
+        return int(peek and self.one_unstepped())
+
+
+_GET_ITER = dis.opmap.get("GET_ITER")
+
+
+def _for_statement(frame: Any) -> bool:
+    """Whether the frame calling `iter(loader)` runs a `for` statement or comprehension over
+    it (its current instruction is GET_ITER) rather than calling `iter()` itself (directly,
+    or through next, enumerate, zip); when unknown, a for statement (nothing goes back)."""
+    try:
+        return frame.f_code.co_code[frame.f_lasti] == _GET_ITER
+    except (AttributeError, IndexError, TypeError):
+        return True
 
 
 def _placement(layout: Any, devices: Sequence[jax.Device] | None) -> Callable[[dict], dict]:
@@ -323,7 +466,9 @@ def _default_sampler(sampler: DistributedSampler | None, num_examples: int,
                      shuffle: bool | None, seed: int | None) -> DistributedSampler:
     """The sampler given (checked against the source), or one over all processes."""
     if sampler is None:
-        return DistributedSampler(num_examples, shuffle=bool(shuffle), seed=seed or 0)
+        shuffle = False if shuffle is None else values.flag("Loader", "shuffle", shuffle,
+                                                            fix="or None (no shuffle)")
+        return DistributedSampler(num_examples, shuffle=shuffle, seed=seed or 0)
     if not isinstance(sampler, DistributedSampler):
         raise TypeError(f"Loader: sampler is a {type(sampler).__name__}; expected a "
                         "jdp.data.DistributedSampler (the Loader needs its padding positions)")
@@ -350,9 +495,9 @@ def _check_args(loader: Loader, num_examples: int) -> None:
     if loader.transform is not None and not callable(loader.transform):
         raise TypeError(f"Loader: transform={loader.transform!r} is not callable; pass "
                         "transform(batch) -> batch (or transform(batch, rng)) or None")
-    if loader.timeout is not None and (isinstance(loader.timeout, bool) or not isinstance(
-            loader.timeout, (int, float)) or not loader.timeout > 0):
-        raise ValueError(f"Loader: timeout={loader.timeout!r}; expected seconds > 0 or None")
+    if loader.timeout is not None:
+        loader.timeout = values.seconds("Loader", "timeout", loader.timeout,
+                                        maximum=MAX_SECONDS, fix="or None: no limit")
     if loader.drop_last and len(loader) == 0:
         raise ValueError(f"Loader: drop_last=True with batch_size={loader.batch_size} leaves no "
                          f"batch of the {len(loader.sampler)} examples this process gets (of "

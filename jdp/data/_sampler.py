@@ -10,7 +10,6 @@ examples not yet consumed, each once.
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -18,15 +17,13 @@ import jax
 import numpy as np
 
 from jdp.distributed import require_job
+from jdp.job import values
 
 
 def _require_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{owner}: {name}={value!r} is a {type(value).__name__}; expected an "
-                        f"int: {fix}")
-    if value < minimum:
-        raise ValueError(f"{owner}: {name}={value}; expected an int >= {minimum}: {fix}")
-    return int(value)
+    """`value` as an int >= `minimum` (`jdp.job.values.integer`); kept under this name for
+    the Loader and `jdp.evaluate`."""
+    return values.integer(owner, name, value, minimum=minimum, fix=fix)
 
 
 class DistributedSampler:
@@ -55,7 +52,7 @@ class DistributedSampler:
     def __init__(self, num_examples: int, num_replicas: int | None = None,
                  rank: int | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False):
-        owner = "DistributedSampler"
+        owner = "jdp.data.DistributedSampler"
         if num_replicas is None or rank is None:
             require_job("jdp.data.DistributedSampler")
         self.num_examples = _require_int(owner, "num_examples", num_examples, 1,
@@ -66,10 +63,14 @@ class DistributedSampler:
         rank = jax.process_index() if rank is None else rank
         self.rank = _require_int(owner, "rank", rank, 0, "pass rank in range(num_replicas)")
         if self.rank >= self.num_replicas:
-            raise ValueError(f"{owner}: rank={self.rank} is not below num_replicas="
-                             f"{self.num_replicas}; pass rank in range({self.num_replicas})")
+            raise values.wrong_value(owner, "rank", self.rank,
+                                     f"below num_replicas={self.num_replicas}",
+                                     f"pass rank in range({self.num_replicas})")
         self.seed = _require_int(owner, "seed", seed, 0, "pass a non-negative seed")
-        self.shuffle, self.drop_last, self.epoch = bool(shuffle), bool(drop_last), 0
+        self.shuffle = values.flag(owner, "shuffle", shuffle, fix="True permutes each epoch")
+        self.drop_last = values.flag(owner, "drop_last", drop_last,
+                                     fix="True drops the tail that does not split evenly")
+        self.epoch = 0
         if self.num_examples < self.num_replicas:
             raise ValueError(f"{owner}: num_examples={self.num_examples} < num_replicas="
                              f"{self.num_replicas}: some ranks would get no example at all; "
@@ -79,7 +80,7 @@ class DistributedSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch`'s permutation (call it before each epoch when shuffling)."""
-        self.epoch = _require_int("DistributedSampler.set_epoch", "epoch", epoch, 0,
+        self.epoch = _require_int("jdp.data.DistributedSampler.set_epoch", "epoch", epoch, 0,
                                   "pass the epoch number, counted from 0")
 
     def indices(self) -> np.ndarray:

@@ -266,9 +266,11 @@ def check_transformed(fields: Any, size: int) -> dict:
     _check_no_mask(fields, "transform's output")
     for path, leaf in jax.tree_util.tree_flatten_with_path(dict(fields))[0]:
         if np.ndim(leaf) == 0 or np.shape(leaf)[0] != size:
+            rows = f"{np.shape(leaf)[0]} row(s)" if np.ndim(leaf) else "no rows"
             raise ValueError(f"Loader: transform returned {jax.tree_util.keystr(path)} with "
-                             f"shape {np.shape(leaf)}; expected a leading axis of batch_size="
-                             f"{size} (one row per example, padding rows included)")
+                             f"{rows} (shape {np.shape(leaf)}); expected batch_size={size} "
+                             "rows, one per example of the batch (padding rows included): "
+                             "keep the batch's rows")
     return dict(fields)
 
 

@@ -93,16 +93,15 @@ def agree_in_store(client: Any, me: Process, topic: str, facts: Sequence[tuple[s
 
 
 def _leave(me: Process, message: str) -> None:
-    """Before raising an error verdict, let the other processes find theirs: process 0, which
-    holds the store, lets them read it (at this point, or naming the same deadlock at theirs),
-    and says the verdict before it waits; another process waits one look of process 0's
-    (`POLL_S`), so that a launcher that stops the job at the first failure does not end
-    process 0 before it has named the deadlock too."""
+    """Before raising an error verdict, say it, then let the other processes find theirs:
+    process 0, which holds the store, lets them read it (at this point, or naming the same
+    deadlock at theirs); another process waits two looks (`POLL_S`), so that a launcher that
+    stops the job at the first failure (SIGTERM ends a rank at once) does not end a process
+    before it has named the problem too. The raised error then says it again."""
     if me.peers is None:
         return
-    if me.rank == 0:
-        print(message, file=sys.stderr, flush=True)
-    time.sleep(LINGER_S if me.rank == 0 else POLL_S + 0.5)
+    print(message, file=sys.stderr, flush=True)
+    time.sleep(LINGER_S if me.rank == 0 else 2 * POLL_S + 0.5)
 
 
 def _judge(client: Any, here: _Point) -> None:
@@ -114,10 +113,10 @@ def _judge(client: Any, here: _Point) -> None:
     sides = sorted((sorted(ranks) for ranks in groups.values()), key=lambda r: r[0])
     verdict = {"agreed": True} if len(sides) == 1 else {
         "differ": [[side[:SHOWN + 1], len(side)] for side in sides[:2]]}
+    client.key_value_delete(f"{here.keys}hash/")   # first: once the verdict is out, process
+    if here.n > 1:   # 0 may leave the job and take the store with it; every process has
+        client.key_value_delete(f"{PREFIX}{here.topic}/{here.n - 1}/")   # left the last point
     _publish(client, here, verdict)
-    client.key_value_delete(f"{here.keys}hash/")
-    if here.n > 1:   # every process has left that point: it has arrived at this one
-        client.key_value_delete(f"{PREFIX}{here.topic}/{here.n - 1}/")
 
 
 def _publish(client: Any, here: _Point, verdict: dict) -> None:

@@ -148,10 +148,13 @@ def agree(topic: str, facts: Sequence[tuple[str, str]], who: str, fix: str,
     me = _agree.Process(jax.process_index(), jax.process_count(), rounds,
                         peers if peers.conns else None)
     peers.waiting = (who, rounds.get(topic, 0) + 1)
+    before = (rank.progress.current() or (0, -1, "start"))[2]
+    _rank.record("wait")   # the launcher's watchdog and goodput see the wait, not start-up
     try:
         _agree.agree_in_store(client, me, topic, facts, who, fix, timeout_s)
     finally:
         peers.waiting = None
+        _rank.record(before)   # the call goes on in its own phase (a save: "checkpoint")
 
 
 def barrier(name: str = "jdp.barrier", timeout_s: float = AGREE_TIMEOUT_S) -> None:
@@ -161,11 +164,12 @@ def barrier(name: str = "jdp.barrier", timeout_s: float = AGREE_TIMEOUT_S) -> No
     processes at barriers of different names are named at once (ValueError), a process whose
     script ended, or that went on past the barrier, is named within seconds (RuntimeError),
     and one that never comes after `timeout_s` (TimeoutError). All processes must pass the
-    same names in the same order. A single process returns at once.
+    same names in the same order. A single process returns at once, once its arguments
+    passed the checks every process makes (`jdp.job.values`), so a mistake shows alone too.
 
     Args:
-        name: the barrier's id; the same name may be used again once all have passed.
-        timeout_s: seconds to wait for the slowest process.
+        name: the barrier's id (a str); the same name may be used again once all have passed.
+        timeout_s: seconds to wait for the slowest process: finite, > 0, at most a week.
 
     Example:
         >>> import jdp
@@ -174,5 +178,10 @@ def barrier(name: str = "jdp.barrier", timeout_s: float = AGREE_TIMEOUT_S) -> No
         preparing the dataset
         >>> jdp.barrier("dataset-ready", timeout_s=60)
     """
+    from jdp.job import values
+    if not isinstance(name, str):   # checked on one process too, as on many
+        raise values.wrong_type("jdp.barrier", "name", name, "a str", "the barrier's id")
+    timeout_s = values.seconds("jdp.barrier", "timeout_s", timeout_s, maximum=_env.MAX_SECONDS,
+                               fix="the seconds to wait for the slowest process")
     agree("barrier", [("name", name)], f"jdp.barrier({name!r})",
           "every process must pass the same barriers in the same order", timeout_s)

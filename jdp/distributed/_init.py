@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -32,7 +32,9 @@ from jdp.job import malloc as _malloc
 from jdp.job import net as _net
 from jdp.job import rank as _rank
 from jdp.job import run as _run
+from jdp.job import values
 
+WHO = "jdp.initialize"
 # argument -> (environment variable, default seconds). The shutdown timeout is long on purpose:
 # a rank that finishes waits there for the others, and JAX aborts *every* process when it runs
 # out (measured), e.g. while process 0 still writes its last checkpoint. Dead peers are caught
@@ -126,9 +128,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if replaced := _devices_flag_replaced(env):
         warnings.warn(replaced, stacklevel=2)
     _malloc.tune()  # before XLA's threads pick their malloc arenas; see jdp.job.malloc
-    timeouts = {name: _timeout(value, *_TIMEOUT_ENV[name], env) for name, value in
+    timeouts = {name: _timeout(name, value, *_TIMEOUT_ENV[name], env) for name, value in
                 zip(_TIMEOUT_ENV, (initialization_timeout, heartbeat_timeout, shutdown_timeout),
                     strict=True)}
+    if num_processes is not None:
+        num_processes = values.integer(WHO, "num_processes", num_processes, minimum=1,
+                                       fix="the job's number of processes (WORLD_SIZE)")
+    if process_id is not None:
+        process_id = values.integer(WHO, "process_id", process_id, minimum=0,
+                                    fix="this process's index (RANK)")
     plan = _plan(coordinator_address, num_processes, process_id, local_device_ids,
                  cluster_detection_method, env)
     if plan is None or _already_initialized(plan):
@@ -381,18 +389,20 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-def _timeout(value: int | None, env_name: str, default: int, env: Mapping[str, str]) -> int:
-    """A timeout in whole seconds from the argument, else `env_name`, else `default`."""
-    source = "argument" if value is not None else env_name
-    if value is None:
-        value = env.get(env_name, default)
+def _timeout(name: str, value: Any, env_name: str, default: int, env: Mapping[str, str]) -> int:
+    """A timeout in whole seconds from the argument `name` (an int, NumPy's too: JAX takes
+    integers), else `env_name`, else `default`."""
+    if value is not None:
+        return values.integer(WHO, name, value, minimum=1, maximum=int(_env.MAX_SECONDS),
+                              fix=f"whole seconds (JAX takes integers), e.g. {default}")
+    value = env.get(env_name, default)
     try:
         seconds = int(value)
     except (TypeError, ValueError):
         seconds = -1
-    if seconds < 1 or (isinstance(value, float) and value != seconds):
-        raise ValueError(f"timeout {source}={value!r} must be a whole number of seconds >= 1 "
-                         f"(JAX takes integers), e.g. {env_name}={default}")
+    if seconds < 1:
+        raise ValueError(f"{env_name}={value!r} must be a whole number of seconds >= 1 "
+                         f"(JAX takes integers); e.g. {env_name}={default}")
     return seconds
 
 

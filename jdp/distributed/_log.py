@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from jdp.job import env as _env
+from jdp.job import values
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
@@ -51,6 +52,8 @@ def get_logger(name: str = "jdp", level: int = logging.INFO,
         >>> log = jdp.get_logger("train")
         >>> log.info("step %d loss %.3f", 10, 0.25)  # stderr: "... [rank0] INFO train: step 10"
     """
+    all_ranks = values.flag("jdp.get_logger", "all_ranks", all_ranks,
+                            fix="True logs INFO from every process")
     logger = logging.getLogger(name)
     for f in [f for f in logger.filters if isinstance(f, _RankFilter)]:
         logger.removeFilter(f)

@@ -15,11 +15,24 @@ neither, so the launcher sits on top of the library instead of under it:
 - `outcome`: how a round of ranks ended (one tagged type), its exit status and its one report;
 - `net`: port checks and the wire format (JSON lines over TCP);
 - `run`: the rank-side runner (run by path) and the prompt exits a failing rank leaves by;
-- `malloc`: the allocator settings a launcher puts in a rank's environment and a rank applies.
+- `malloc`: the allocator settings a launcher puts in a rank's environment and a rank applies;
+- `values`: how every public function and launcher option checks the values it is given.
 """
-from jdp.job import env, events, malloc, net, outcome, peers, progress, rank, run, watchdog
+from jdp.job import (
+    env,
+    events,
+    malloc,
+    net,
+    outcome,
+    peers,
+    progress,
+    rank,
+    run,
+    values,
+    watchdog,
+)
 from jdp.job.outcome import EXIT_STALLED
 from jdp.job.rank import preempted
 
 __all__ = ["EXIT_STALLED", "env", "events", "malloc", "net", "outcome", "peers", "preempted",
-           "progress", "rank", "run", "watchdog"]
+           "progress", "rank", "run", "values", "watchdog"]

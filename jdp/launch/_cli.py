@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from jdp.job import env as _env
 from jdp.job import net as _net
+from jdp.job import values
 from jdp.job.outcome import Job, Outcome
 from jdp.launch import _ft, _ft_opts, _goodput, _profile_opts, _rounds, _supervisor
 from jdp.launch._config import LaunchConfig
@@ -118,26 +119,80 @@ CPU nodes: one process with all the node's devices (--nproc_per_node 1 --devices
 """
 
 
+# The numeric options, parsed from their text by `jdp.job.values`: (check, its bounds, the fix).
+# --node_rank's range depends on --nnodes, checked once both are known.
+_WEEK = {"maximum": _env.MAX_SECONDS}
+NUMBERS = {
+    "nproc_per_node": (values.integer, {"minimum": 1,
+                                        "fix": "processes on this node, usually one per GPU"}),
+    "node_rank": (values.integer, {"fix": "this node's index, 0..M-1"}),
+    "master_port": (values.integer, {"minimum": 1, "maximum": 65535, "fix": "e.g. 29500"}),
+    "rdzv_port": (values.integer, {"minimum": 1, "maximum": 65535,
+                                   "fix": "or leave it out (MASTER_PORT+1)"}),
+    "max_restarts": (values.integer, {"minimum": 0, "fix": "0: no restart"}),
+    "devices_per_process": (values.integer, {"minimum": 1, "fix": "e.g. 2"}),
+    "rdzv_timeout": (values.seconds, {"zero": True, **_WEEK,
+                                      "fix": "every wait has an end; e.g. 30"}),
+    "progress_timeout": (values.seconds, {**_WEEK, "fix": "every wait has an end; e.g. 600"}),
+    "stop_grace": (values.seconds, {**_WEEK, "fix": "every wait has an end; e.g. 30"}),
+}
+_NEGATIVE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)   # "-1", "-1:3", "-.5", "-inf"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, knowing which of its options take a value (`valued`): one given as
+    `--option -1:3` reaches the option's own check, as `--option=-1:3` would, instead of
+    argparse's "expected one argument" (it takes "-1:3" for an option)."""
+
+    def __init__(self, *args, **kwargs):
+        self.valued: set = set()
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        if names and names[0].startswith("-") and kwargs.get("action", "store") == "store":
+            self.valued.update(names)
+        return super().add_argument(*names, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(_negatives_joined(argv, self.valued), namespace)
+
+
+def _negatives_joined(argv: list, valued: set) -> list:
+    """`argv` with `--option VALUE` written `--option=VALUE` where VALUE starts like a negative
+    number, up to the script (its own arguments pass as they are)."""
+    joined, i = [], 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        if argv[i] in valued and i + 1 < len(argv):
+            option, value = argv[i], argv[i + 1]
+            joined += [f"{option}={value}"] if _NEGATIVE.match(value) else [option, value]
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    return joined + argv[i:]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; its help text is the launcher's manual."""
-    p = argparse.ArgumentParser(prog="python -m jdp.launch", description=DESCRIPTION,
-                                epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1, metavar="N",
+    p = _Parser(prog="python -m jdp.launch", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nproc_per_node", "--nproc-per-node", default="1", metavar="N",
                    help="processes to start on this node (default 1); usually one per GPU")
     p.add_argument("--nnodes", default="1", metavar="M|MIN:MAX",
                    help="number of nodes (machines) in the job (default 1); MIN:MAX for an\n"
                         "elastic job that goes on with MIN..MAX nodes (see 'elastic' below)")
-    p.add_argument("--node_rank", "--node-rank", type=int, default=0, metavar="R",
+    p.add_argument("--node_rank", "--node-rank", default="0", metavar="R",
                    help="index of this node, 0..M-1 (default 0); node 0 hosts the coordinator")
     p.add_argument("--master_addr", "--master-addr", default="127.0.0.1", metavar="A",
                    help="address of node 0, where process 0 listens (default 127.0.0.1)")
-    p.add_argument("--master_port", "--master-port", type=int, default=None, metavar="P",
+    p.add_argument("--master_port", "--master-port", default=None, metavar="P",
                    help="coordinator port on node 0; required with --nnodes > 1, chosen free\n"
                         "(and fresh for each restart) when left out on a single node")
-    p.add_argument("--rdzv_port", "--rdzv-port", type=int, default=None, metavar="P",
+    p.add_argument("--rdzv_port", "--rdzv-port", default=None, metavar="P",
                    help="with --nnodes > 1: port of node 0's launcher, which starts and\n"
                         "restarts the rounds of every node (default MASTER_PORT+1)")
-    p.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--rdzv_timeout", "--rdzv-timeout", default=None, metavar="S",
                    help=f"with --nnodes MIN:MAX: how long a round waits for MAX nodes once\n"
                         f"MIN are there (default {_rounds.RDZV_TIMEOUT_S:g})")
     p.add_argument("--logdir", "--log-dir", default=None, metavar="DIR",
@@ -148,19 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="treat the script as a Python module name, as `python -m` does")
     p.add_argument("--no_python", "--no-python", action="store_true",
                    help="run the script as an executable, without `python -u` in front")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="K",
+    p.add_argument("--max_restarts", "--max-restarts", default="0", metavar="K",
                    help="after a failure, stop all processes and start all again, up to K times\n"
                         "(default 0); each node restarts its own processes")
-    p.add_argument("--progress_timeout", "--progress-timeout", type=float, metavar="S",
+    p.add_argument("--progress_timeout", "--progress-timeout", metavar="S",
                    help="stop the job when no rank made progress for S seconds (default off;\n"
                         "env JDP_PROGRESS_TIMEOUT); see 'stuck ranks' below")
-    p.add_argument("--stop_grace", "--stop-grace", type=float, metavar="S",
+    p.add_argument("--stop_grace", "--stop-grace", metavar="S",
                    help="after SIGTERM, seconds the processes get to save and leave\n"
                         "before SIGKILL (default 30; env JDP_STOP_GRACE)")
     p.add_argument("--compilation_cache", "--compilation-cache", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache directory, or 'off'\n"
                         "(default: see 'compilation cache' below)")
-    p.add_argument("--devices_per_process", type=int, default=None, metavar="k",
+    p.add_argument("--devices_per_process", default=None, metavar="k",
                    help="give each process k simulated CPU devices (testing without GPUs)")
     _profile_opts.add_argument(p)
     _ft_opts.add_arguments(p)
@@ -183,17 +238,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
 
 def _problem(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the arguments, as a one-line message with the fix."""
-    if args.nproc_per_node < 1:
-        return f"--nproc_per_node {args.nproc_per_node}: must be >= 1 (processes on this node)"
-    if problem := _nodes_problem(args):
+    if problem := _numbers_problem(args) or _nodes_problem(args):
         return problem
     if not 0 <= args.node_rank < args.nnodes:
         return (f"--node_rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes "
                 f"{args.nnodes}); number the nodes 0..{args.nnodes - 1}")
-    if args.devices_per_process is not None and args.devices_per_process < 1:
-        return f"--devices_per_process {args.devices_per_process}: must be >= 1"
-    if args.max_restarts < 0:
-        return f"--max_restarts {args.max_restarts}: must be >= 0"
     problem = _seconds_problem(args, "progress_timeout", _env.PROGRESS_TIMEOUT, None)
     problem = problem or _seconds_problem(args, "stop_grace", _env.STOP_GRACE,
                                           _supervisor.STOP_GRACE_S)
@@ -209,30 +258,33 @@ def _problem(args: argparse.Namespace) -> str | None:
     if args.nnodes > 1 and args.master_port is None:
         return (f"--master_port is required with --nnodes {args.nnodes}: every node must use "
                 "the same port (e.g. --master_port 29500)")
-    if args.master_port is not None and not 0 < args.master_port < 65536:
-        return f"--master_port {args.master_port}: must be in 1..65535"
     if not _net.resolves(args.master_addr):
         return (f"--master_addr {args.master_addr!r} does not resolve to an address; give the "
                 "IP address or host name of node 0")
     if args.nnodes > 1 and args.rdzv_port is None:
         args.rdzv_port = args.master_port + 1
-    if args.rdzv_port is not None and not 0 < args.rdzv_port < 65536:
-        return f"--rdzv_port {args.rdzv_port}: must be in 1..65535"
     return _script_problem(args) or _port_problem(args)
+
+
+def _numbers_problem(args: argparse.Namespace) -> str | None:
+    """Parse the numeric options' text into numbers (`NUMBERS`), in place; the first one
+    refused, in `jdp.job.values`' words (`--stop_grace -1: must be ...`)."""
+    try:
+        for name, (check, limits) in NUMBERS.items():
+            if (text := getattr(args, name)) is not None:
+                setattr(args, name, values.from_text(check, "", f"--{name}", text, **limits))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _values_problem(args: argparse.Namespace) -> str | None:
     """Values that parse but cannot work: a JDP_* setting in the environment the ranks inherit,
-    an infinite number of seconds (a wait that never ends), one port for two listeners."""
+    one port for two listeners."""
     try:
         _env.check_settings(os.environ)
     except ValueError as e:
         return str(e)
-    for name in ("rdzv_timeout", "progress_timeout", "stop_grace"):
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value <= _env.MAX_SECONDS):
-            return (f"--{name} {value:g}: must be a finite number of seconds <= "
-                    f"{_env.MAX_SECONDS:g} (a week; every wait has an end); e.g. 30")
     if args.nnodes > 1 and args.rdzv_port == args.master_port:
         return (f"--rdzv_port {args.rdzv_port} is also --master_port: node 0's launcher and "
                 "process 0's coordinator each need their own port; leave --rdzv_port out "
@@ -254,8 +306,6 @@ def _nodes_problem(args: argparse.Namespace) -> str | None:
     if args.rdzv_timeout is not None and not colon:
         return (f"--rdzv_timeout {args.rdzv_timeout:g} needs an elastic --nnodes MIN:MAX "
                 f"(here --nnodes {text}, a fixed size that waits for every node)")
-    if args.rdzv_timeout is not None and not args.rdzv_timeout >= 0:
-        return f"--rdzv_timeout {args.rdzv_timeout:g}: must be a number of seconds >= 0"
     if args.rdzv_timeout is None:
         args.rdzv_timeout = _rounds.RDZV_TIMEOUT_S
     return None
@@ -263,18 +313,14 @@ def _nodes_problem(args: argparse.Namespace) -> str | None:
 
 def _seconds_problem(args: argparse.Namespace, name: str, env_name: str,
                      default: float | None) -> str | None:
-    """Fill in option `name` from `env_name` (or `default`); a message if it is not > 0 s."""
-    value, source = getattr(args, name), f"--{name}"
-    if value is None and os.environ.get(env_name):
-        raw, source = os.environ[env_name], env_name
+    """Fill in option `name`, when not given, from `env_name` (or `default`); the variable's
+    message when it is not a number of seconds (`jdp.job.env.seconds`)."""
+    if getattr(args, name) is None:
         try:
-            value = float(raw)
-        except ValueError:
-            return f"{env_name}={raw!r} is not a number of seconds; e.g. {env_name}=600"
-    value = default if value is None else value
-    if value is not None and not value > 0:
-        return f"{source} {value:g}: must be a number of seconds > 0"
-    setattr(args, name, value)
+            value = _env.seconds(os.environ, env_name)
+        except ValueError as e:
+            return str(e)
+        setattr(args, name, default if value is None else value)
     return None
 
 

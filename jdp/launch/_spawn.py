@@ -20,6 +20,7 @@ from typing import Any
 from jdp.job import env as _env
 from jdp.job import net as _net
 from jdp.job import run as _run
+from jdp.job import values
 from jdp.job.outcome import Job, Outcome, State, report
 from jdp.launch import _goodput, _profile_opts, _supervisor
 
@@ -93,14 +94,11 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
         >>> if __name__ == "__main__":
         ...     jdp.spawn(main, args=(100,), nprocs=2, devices_per_process=2)
     """
-    _check(fn, nprocs, devices_per_process)
+    nprocs, devices_per_process = _check(fn, nprocs, devices_per_process)
     _env.check_settings(os.environ)
-    if progress_timeout is None:
-        progress_timeout = _env.seconds(os.environ, _env.PROGRESS_TIMEOUT)
+    limits = _limits(timeout, progress_timeout, stop_grace)
     if problem := _profile_opts.problem(profile_steps, logdir, "profile_steps=", "logdir=DIR"):
         raise ValueError(problem)
-    limits = _supervisor.Limits(timeout_s=timeout, progress_timeout_s=progress_timeout,
-                                stop_grace_s=stop_grace)
     with tempfile.TemporaryDirectory(prefix="jdp-spawn-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
@@ -134,17 +132,32 @@ def _rank_env(rank: int, nprocs: int, port: int, tmp: str, devices_per_process: 
     return env
 
 
-def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
-    """Reject what cannot work before any process starts."""
+def _limits(timeout: Any, progress_timeout: Any, stop_grace: Any) -> _supervisor.Limits:
+    """The supervisor's clocks from spawn's arguments: each a finite number of seconds > 0 and
+    at most a week (None: no limit; `progress_timeout` None reads JDP_PROGRESS_TIMEOUT)."""
+    def checked(name: str, value: Any) -> float | None:
+        return None if value is None else values.seconds(
+            WHO, name, value, maximum=_env.MAX_SECONDS, fix="or None: no limit")
+
+    if progress_timeout is None:
+        progress_timeout = _env.seconds(os.environ, _env.PROGRESS_TIMEOUT)
+    grace = values.seconds(WHO, "stop_grace", stop_grace, maximum=_env.MAX_SECONDS,
+                           fix=f"the default is {_supervisor.STOP_GRACE_S:g}")
+    return _supervisor.Limits(timeout_s=checked("timeout", timeout), stop_grace_s=grace,
+                              progress_timeout_s=checked("progress_timeout", progress_timeout))
+
+
+def _check(fn: Callable, nprocs: Any, devices_per_process: Any) -> tuple[int, int | None]:
+    """Reject what cannot work before any process starts; returns `(nprocs,
+    devices_per_process)` as ints (NumPy's integers taken)."""
     if os.environ.get(_env.SPAWN_BOOTSTRAP) == "1":
         raise RuntimeError("jdp.spawn() ran while a spawned process imported the parent's main "
                            "module: put the call under `if __name__ == '__main__':`")
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r} must be an integer >= 1 (the number of processes)")
-    if devices_per_process is not None and (not isinstance(devices_per_process, int)
-                                            or devices_per_process < 1):
-        raise ValueError(f"devices_per_process={devices_per_process!r} must be an integer >= 1 "
-                         "or None")
+    nprocs = values.integer(WHO, "nprocs", nprocs, minimum=1, fix="the number of processes")
+    if devices_per_process is not None:
+        devices_per_process = values.integer(
+            WHO, "devices_per_process", devices_per_process, minimum=1,
+            fix="or None to keep this process's XLA_FLAGS")
     if not callable(fn):
         raise TypeError(f"fn={fn!r} is not callable; pass the function to run in each process")
     main = sys.modules.get("__main__")
@@ -156,6 +169,7 @@ def _check(fn: Callable, nprocs: int, devices_per_process: int | None) -> None:
         raise ValueError(f"fn={fn.__qualname__} is defined under `if __name__ == '__main__':`, "
                          "which the new processes do not run, so they cannot find it; define it "
                          "at module level, above the guard")
+    return nprocs, devices_per_process
 
 
 def _under_main_guard(fn: Callable, path: str) -> bool:
@@ -194,7 +208,7 @@ def _raise_for(outcome: Outcome, tmp: str, nprocs: int, limits: _supervisor.Limi
         signal.raise_signal(detail.signal)   # as if we had not caught it: handler or death
         raise ProcessExitedException(text, -1, -detail.signal)
     if state is State.TIMED_OUT:
-        raise TimeoutError(text.replace("the time limit", f"timeout={limits.timeout_s} s"))
+        raise TimeoutError(text.replace("the time limit", f"timeout={limits.timeout_s:g} s"))
     if state is State.STALLED:
         raise TimeoutError(text.replace("--progress_timeout", "progress_timeout"))
     if state is not State.FAILED:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import numbers
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from jdp.job import values as _values
 
 
 class Writer:
@@ -43,8 +44,13 @@ class Writer:
                  tensorboard: bool | None = None, mlflow: bool | None = None):
         if not isinstance(logdir, (str, os.PathLike)):
             raise TypeError(f"Writer: logdir={logdir!r} is not a path; pass a directory name")
+        primary, tensorboard, mlflow = (
+            None if value is None else _values.flag("jdp.metrics.Writer", name, value,
+                                                    fix="or None for the default")
+            for name, value in (("primary", primary), ("tensorboard", tensorboard),
+                                ("mlflow", mlflow)))
         self.logdir = os.fspath(logdir)
-        self.primary = _is_primary() if primary is None else bool(primary)
+        self.primary = _is_primary() if primary is None else primary
         self._jsonl = self._tb = self._mlflow = None
         if not self.primary:
             return
@@ -55,11 +61,10 @@ class Writer:
 
     def scalars(self, step: int, values: Mapping[str, Any]) -> None:
         """Record `values` (name -> number, e.g. a jax scalar) at training step `step`."""
+        step = _values.integer("jdp.metrics.Writer.scalars", "step", step, minimum=0,
+                               fix="the training step the values belong to")   # on every rank
         if self._jsonl is None:
             return
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(f"Writer.scalars: step={step!r} must be an integer >= 0 (the "
-                             "training step the values belong to)")
         if not isinstance(values, Mapping):
             raise TypeError(f"Writer.scalars: values={type(values).__name__} must be a mapping "
                             "of names to numbers, e.g. {'loss': 0.3}")

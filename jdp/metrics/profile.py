@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from jdp.job import env as _env
 from jdp.job import rank as _rank
+from jdp.job import values as _values
 
 STEPS = _env.PROFILE_STEPS   # "A:B": trace training steps A..B (from 1, both included)
 DIR = _env.PROFILE_DIR       # where every rank writes its trace (rank.K below it)
@@ -40,14 +41,15 @@ class Window(NamedTuple):
 
 def parse_steps(text: str, source: str = "--profile_steps ") -> tuple[int, int]:
     """(A, B) from "A:B"; ValueError naming `source` (the option or variable, with its
-    separator) and the fix when it is not a range of training steps 1 <= A <= B."""
+    separator) and the fix when it is not a range of training steps 1 <= A <= B, in
+    `jdp.job.values`' words (`--profile_steps 5:3: must be A:B, ...`)."""
     first, colon, last = str(text).strip().partition(":")
     if colon and first.strip().isdigit() and last.strip().isdigit():
         a, b = int(first), int(last)
         if 1 <= a <= b:
             return a, b
-    raise ValueError(f"{source}{text!r}: expected A:B, the training steps to trace with "
-                     f"1 <= A <= B (counted from 1), e.g. {source}10:12")
+    raise _values.wrong_value("", source.rstrip(" ="), text, "A:B, the training steps to trace "
+                              "with 1 <= A <= B (counted from 1)", f"e.g. {source}10:12")
 
 
 def window_from_env(environ=os.environ) -> Window | None:

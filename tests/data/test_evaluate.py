@@ -1,9 +1,11 @@
 """jdp.evaluate: a metric over a whole split in one call, exact over an uneven split (padding
 masked out), as plain Python numbers; a Loader that would not cover the split once is refused.
 (Two processes: tests/system/core/test_own_step.py.)"""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import one_line_error
 
 import jdp
 
@@ -61,9 +63,9 @@ def test_a_loader_that_would_miss_examples_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="drop_last=False"):
         jdp.evaluate(metric_fn, state, jdp.data.Loader(data, batch_size=16, drop_last=True))
     loader = jdp.data.Loader(data, batch_size=16)
-    batches = iter(loader)
-    next(batches)
-    batches.close()
+    for _ in loader:
+        if loader.step == 2:
+            break
     with pytest.raises(ValueError, match="start of an epoch"):
         jdp.evaluate(metric_fn, state, loader)
     with pytest.raises(ValueError, match="drop batch_size="):
@@ -88,3 +90,57 @@ def test_the_readme_own_step_block_is_sgd_over_the_next_epoch_and_evaluates_exac
     sq = (ns["source"]["x"] @ np.asarray(ns["state"].params["w"]) - ns["source"]["y"]) ** 2
     assert ns["results"]["count"] == 1024
     assert ns["results"]["sq_err"] == pytest.approx(float(sq.mean()), rel=1e-5)
+
+
+def test_a_peek_at_the_loader_first_still_counts_every_example():
+    data, state = split(50), jdp.broadcast({"w": W})
+    loader = jdp.data.Loader(data, batch_size=16)
+    next(iter(loader))                 # gives its batch back: the Loader is at its start
+    got = jdp.evaluate(metric_fn, state, loader)
+    assert got["count"] == 50 and got["accuracy"] == expected(data)["accuracy"]
+
+
+def test_a_list_of_example_dicts_is_one_example_each():
+    data, state = split(21), jdp.broadcast({"w": W})
+    examples = [{"x": data["x"][i], "label": data["label"][i]} for i in range(21)]
+    got = jdp.evaluate(metric_fn, state, examples, batch_size=8)
+    assert got["count"] == 21 and got["accuracy"] == expected(data)["accuracy"]
+
+
+def test_a_split_given_as_arrays_or_a_list_of_arrays_is_named_as_the_split():
+    data, state = split(16), jdp.broadcast({"w": W})
+    for given, words in [((data["x"], data["label"]), ["data is a tuple of 2 ndarray", "(16, 2)"]),
+                         ([data["x"], data["label"]], ["data is a list of 2 ndarray", "(16,)"]),
+                         (data["x"], ["data is a ndarray of shape (16, 2)", "{'x': data}"])]:
+        one_line_error(TypeError, ["jdp.evaluate", *words, "one dict of arrays",
+                                   "jdp.data.Loader"], jdp.evaluate, metric_fn, state, given)
+
+
+def test_a_list_of_batch_dicts_is_named_as_the_split_not_as_the_metrics_shape():
+    data, state = split(48), jdp.broadcast({"w": W})
+    batches = [{k: v[i:i + 16] for k, v in data.items()} for i in range(0, 48, 16)]
+    error = one_line_error(ValueError, ["jdp.evaluate", "data is a list of 3 dicts",
+                                        "read as one example each", "'x': (16, 2)",
+                                        "np.concatenate"],
+                           jdp.evaluate, metric_fn, state, batches)
+    assert "metric_fn value" not in str(error)
+    joined = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}   # the fix
+    assert jdp.evaluate(metric_fn, state, joined)["accuracy"] == expected(data)["accuracy"]
+
+
+def test_eval_step_says_rows_for_a_batch_that_does_not_split_over_the_devices():
+    n, state = jax.device_count(), jdp.broadcast({"w": W})
+    step = jdp.eval_step(metric_fn)
+    odd = {k: v[:n + 4] for k, v in split(n + 4).items()}
+    one_line_error(ValueError, ["jdp.eval_step", f"{n + 4} rows", f"{n} devices",
+                                f"multiple of {n} rows"], step, state, odd)
+    mixed = {"x": split(2 * n)["x"], "label": split(n)["label"]}
+    one_line_error(ValueError, ["jdp.eval_step", f"['x'] has {2 * n} rows",
+                                f"['label'] has {n}", "one row per example"], step, state, mixed)
+
+
+def test_a_mask_that_is_not_one_flag_per_row_is_refused_not_counted_twice():
+    n, state = jax.device_count(), jdp.broadcast({"w": W})
+    batch = jdp.shard({**split(2 * n), "mask": np.ones((2 * n, 2), bool)})
+    one_line_error(ValueError, ["jdp.eval_step", "batch['mask'] has shape", f"({2 * n},)"],
+                   jdp.eval_step(metric_fn), state, batch)

@@ -9,7 +9,7 @@ def line(lost_steps, last_failed):
     summary = {"buckets_s": dict.fromkeys(_goodput.BUCKETS, 1.0), "goodput": 0.5,
                "wall_s": 10.0, "stragglers": [], "lost_steps": lost_steps,
                "last_round_failed": last_failed}
-    return _goodput.Ledger("jdp.launch").line(summary)
+    return _goodput.Ledger("the launcher").line(summary)
 
 
 @pytest.mark.parametrize("lost, last_failed, said, unsaid", [

@@ -46,18 +46,27 @@ def test_a_directory_below_a_file_fails_at_save_naming_it(tmp_path):
     assert_one_line(info.value, [str(tmp_path / "taken" / "ckpt"), "cannot create"])
 
 
-@pytest.mark.parametrize("bad", [0, -2, "3", 2.0, True])
-def test_bad_max_to_keep(tmp_path, bad):
-    with pytest.raises(ValueError) as info:
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), ("3", TypeError),
+                                        (2.0, TypeError), (True, TypeError)])
+def test_bad_max_to_keep(tmp_path, bad, error):
+    with pytest.raises(error) as info:
         Checkpointer(tmp_path, max_to_keep=bad)
     assert_one_line(info.value, [f"max_to_keep={bad!r}"])
 
 
-@pytest.mark.parametrize("bad", [0, -1, "10"])
-def test_bad_timeout(tmp_path, bad):
-    with pytest.raises(ValueError) as info:
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), ("10", TypeError),
+                                        (float("inf"), ValueError)])
+def test_bad_timeout(tmp_path, bad, error):
+    with pytest.raises(error) as info:
         Checkpointer(tmp_path, timeout_s=bad)
     assert_one_line(info.value, [f"timeout_s={bad!r}"])
+
+
+def test_numpy_integers_are_integers(tmp_path):
+    ckpt = Checkpointer(tmp_path, max_to_keep=np.int64(1))
+    ckpt.save(np.int32(1), state())
+    ckpt.save(np.int64(2), state())
+    assert ckpt.all_steps() == [2]   # max_to_keep=1 kept the newest alone
 
 
 @pytest.mark.parametrize("bad", ["5", 1.5, None, True, np.float32(2)])

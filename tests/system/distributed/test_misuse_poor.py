@@ -52,7 +52,7 @@ def test_a_numpy_bool_shard_params_is_true():
 
 
 def test_a_float_shard_params_is_named_as_a_type_problem():
-    one_line_error(TypeError, ["shard_params=4.0", "is a float", "int >= 2"],
+    one_line_error(TypeError, ["shard_params=4.0", "not a float", "int >= 2"],
                    jdp.train_step, _loss, shard_params=4.0)
 
 

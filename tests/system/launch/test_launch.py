@@ -251,7 +251,7 @@ def test_missing_script_fails_before_anything_starts(tmp_path, tag):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--nproc_per_node", "0", "x.py"], "--nproc_per_node 0: must be >= 1"),
+    (["--nproc_per_node", "0", "x.py"], "--nproc_per_node 0: must be an int >= 1"),
     (["--nnodes", "2", "--node_rank", "2", "--master_port", "1234", "x.py"],
      "--node_rank 2 is not in 0..1"),
     (["--nnodes", "2", "x.py"], "--master_port is required with --nnodes 2"),

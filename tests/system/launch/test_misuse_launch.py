@@ -23,8 +23,8 @@ BAD_HOST = "no-such-host.invalid"
     (["--master_addr", BAD_HOST], f"--master_addr '{BAD_HOST}' does not resolve"),
     (["--master_addr", BAD_HOST, "--master_port", "29999"],
      f"--master_addr '{BAD_HOST}' does not resolve"),
-    (["--progress_timeout", "0"], "--progress_timeout 0: must be a number of seconds > 0"),
-    (["--stop_grace", "-1"], "--stop_grace -1: must be a number of seconds > 0"),
+    (["--progress_timeout", "0"], "--progress_timeout 0: must be a finite number of seconds > 0"),
+    (["--stop_grace", "-1"], "--stop_grace -1: must be a finite number of seconds > 0"),
 ])
 def test_bad_launcher_values_exit_2_with_one_line(tmp_path, capsys, argv, message):
     script = write_script(tmp_path, "ok.py", "print('never runs')\n")
@@ -37,8 +37,8 @@ def test_bad_launcher_values_exit_2_with_one_line(tmp_path, capsys, argv, messag
 
 
 @pytest.mark.parametrize("value, message", [
-    ("abc", "JDP_PROGRESS_TIMEOUT='abc' is not a number of seconds"),
-    ("-5", "JDP_PROGRESS_TIMEOUT -5: must be a number of seconds > 0"),
+    ("abc", "JDP_PROGRESS_TIMEOUT='abc' must be a number of seconds > 0"),
+    ("-5", "JDP_PROGRESS_TIMEOUT='-5' must be a number of seconds > 0"),
 ])
 def test_bad_progress_timeout_in_the_environment(tmp_path, capsys, monkeypatch, value, message):
     monkeypatch.setenv("JDP_PROGRESS_TIMEOUT", value)

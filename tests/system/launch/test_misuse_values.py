@@ -26,7 +26,7 @@ import jdp.launch
     (["--stop_grace", "inf"], "--stop_grace inf: must be a finite"),
     (["--nnodes", "1:2", "--rdzv_timeout", "nan"], "--rdzv_timeout nan: must be"),
     # a finite but huge wait overflowed the keeper thread's queue timeout the same way
-    (["--nnodes", "1:2", "--rdzv_timeout", "1e300"], "--rdzv_timeout 1e+300: must be a finite"),
+    (["--nnodes", "1:2", "--rdzv_timeout", "1e300"], "--rdzv_timeout 1e300: must be a finite"),
 ])
 def test_an_infinite_number_of_seconds_is_refused_at_start(tmp_path, capsys, argv, message):
     port = str(free_port())

@@ -45,7 +45,7 @@ def test_a_raising_rank_makes_the_parent_raise_with_its_traceback(tmp_path, tagg
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"nprocs": 0}, ValueError, "nprocs=0 must be an integer >= 1"),
+    ({"nprocs": 0}, ValueError, "nprocs=0 must be an int >= 1"),
     ({"nprocs": 2, "devices_per_process": 0}, ValueError, "devices_per_process=0"),
 ])
 def test_bad_arguments_raise_before_any_process_starts(kwargs, error, message):

@@ -58,7 +58,7 @@ def test_without_tensorboard_only_json_lines_are_written(tmp_path):
 
 
 @pytest.mark.parametrize("step, values, words", [
-    (-1, {"loss": 1.0}, ["step=-1", "integer >= 0"]),
+    (-1, {"loss": 1.0}, ["step=-1", "int >= 0"]),
     (True, {"loss": 1.0}, ["step=True"]),
     (1, [1.0], ["values=list", "mapping"]),
     (1, {"loss": "low"}, ["'loss'='low'", "not a number"]),

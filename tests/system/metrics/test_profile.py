@@ -56,7 +56,7 @@ def test_profile_steps_under_the_launcher_trace_those_steps_on_every_rank(tmp_pa
 
 
 @pytest.mark.parametrize("options, expected", [
-    (["--logdir", "LOGS", "--profile_steps", "5:3"], "--profile_steps '5:3': expected A:B"),
+    (["--logdir", "LOGS", "--profile_steps", "5:3"], "--profile_steps 5:3: must be A:B"),
     (["--logdir", "LOGS", "--profile_steps", "0:2"], "1 <= A <= B"),
     (["--profile_steps", "2:3"], "needs --logdir DIR"),
 ])
@@ -92,7 +92,7 @@ def test_the_environment_asks_ranks_under_srun_or_mpirun():
     window = _profile.window_from_env({_profile.STEPS: "4:6", _profile.DIR: "/tmp/x"})
     assert window == _profile.Window(4, 6, "/tmp/x")
     assert _profile.window_from_env({_profile.STEPS: "7:7"}).directory == "profile"
-    with pytest.raises(ValueError, match="JDP_PROFILE_STEPS='6:4': expected A:B"):
+    with pytest.raises(ValueError, match="JDP_PROFILE_STEPS='6:4' must be A:B"):
         _profile.window_from_env({_profile.STEPS: "6:4"})
 
 
