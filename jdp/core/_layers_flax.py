@@ -208,16 +208,34 @@ def _reporting(fn: Callable, calls: _Calls) -> Callable:
 
 def _nnx_call(module: Any, call: Callable, args: tuple, kwargs: dict, where: Any) -> Any:
     """`call(module, *args, **kwargs)` (the class's own `__call__`) with the module's
-    `nnx.Param`s gathered on their own; its other state threaded through and written back."""
+    `nnx.Param`s gathered on their own; its other state threaded through and written back.
+
+    So are the graph nodes among the arguments (an `nnx.Rngs` passed at the call, as in
+    `block(x, rngs=rngs)`): the layer runs on copies of them, and what it changed in them
+    (a random stream's count) is written back, so the next layer draws the next numbers, as
+    it would unwrapped; the backward pass recomputes the layer from the counts it began with,
+    so it draws the forward pass's numbers again."""
     from flax import nnx
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    nodes = _graph_nodes((args, kwargs))
 
     def pure(p, call_args, state):
         inner = nnx.merge(graphdef, p, state)
         out = call(inner, *call_args[0], **call_args[1])
-        return out, nnx.state(inner, nnx.Not(nnx.Param))
+        changed = [nnx.state(node) for node in _graph_nodes(call_args)]
+        return out, nnx.state(inner, nnx.Not(nnx.Param)), changed
 
-    out, new_rest = _layers.gathered_call(pure, params, ((args, kwargs), rest), where)
+    out, new_rest, changed = _layers.gathered_call(pure, params, ((args, kwargs), rest), where)
     nnx.update(module, new_rest)
+    for node, state in zip(nodes, changed, strict=True):
+        nnx.update(node, state)
     return out
+
+
+def _graph_nodes(tree: Any) -> list:
+    """The NNX graph nodes (`nnx.Rngs`, modules) in `tree`, in order."""
+    from flax import nnx
+
+    is_node = nnx.graph.is_graph_node
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_node) if is_node(x)]

@@ -359,6 +359,54 @@ def test_an_nnx_layer_with_batchnorm_and_dropout_threads_its_state_as_in_place()
     assert_tree_close(*trained)
 
 
+def test_an_nnx_rngs_passed_at_the_call_draws_what_it_draws_replicated():
+    """`block(x, rngs=rngs)`: each gathered layer advances the stream it was given, so the
+    next layer draws the next mask (it used to draw the first layer's again), forward and
+    backward alike: the same losses and parameters as the replicated step, and as the same
+    model without per-layer gathering."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(32, 32, rngs=rngs)
+            self.drop = nnx.Dropout(0.5)
+
+        def __call__(self, h, rngs):
+            return self.drop(jnp.tanh(self.dense(h)), rngs=rngs)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(4)])
+
+        def __call__(self, x, rngs):
+            for block in self.blocks:
+                x = block(x, rngs=rngs)
+            return x
+
+    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(p, b, model_state, rng):
+        model = nnx.merge(graphdef, p, model_state)
+        out = model(b["x"], rngs=nnx.Rngs(dropout=rng))
+        return jnp.mean((out - b["y"]) ** 2), nnx.state(model, nnx.Not(nnx.Param))
+
+    runs = []
+    for each, shard in ((loss, False), (loss, True), (layer_policy(loss, enabled=False), True)):
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX,
+                                                    model_state=rest, seed=3),
+                              shard_params=shard)
+        step = jdp.train_step(each, shard_params=shard)
+        losses = []
+        for b in batches(N * 4, 32):
+            state, metrics = step(state, jdp.shard(b))
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, jdp.unshard(state).params))
+    replicated = runs[0]
+    for run in runs[1:]:
+        np.testing.assert_allclose(run[0], replicated[0], rtol=1e-6)
+        assert_tree_close(run[1], replicated[1])
+
+
 def test_a_linen_model_applied_with_batchnorm_statistics_runs_as_before():
     """A layer's writes to a collection (BatchNorm statistics in training) would have to come
     back out of the layer applied on its own: such a model runs with the gathers left to the
