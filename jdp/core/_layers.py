@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -77,12 +78,31 @@ def layer(fn: Callable) -> Callable:
         (1, 2)
     """
     @functools.wraps(fn)
-    def call(params, *args):
+    def call(params, *args, **kwargs):
         where = _ACTIVE.get()
         if where is None or _INSIDE.get():
-            return fn(params, *args)
-        return gathered_call(fn, params, args, where)
+            return fn(params, *args, **kwargs)
+        _check_layer_params(fn, params, args)
+        return gathered_call(lambda p, a, k: fn(p, *a, **k), params, (args, kwargs), where)
     return call
+
+
+def _check_layer_params(fn: Callable, params: Any, args: tuple) -> None:
+    """`layer`'s contract, said in one line: its first argument is the layer's parameters,
+    arrays (a later argument that is the step's parameters, where the first is not: the
+    arguments swapped)."""
+    name = getattr(fn, "__name__", "the layer")
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not isinstance(x, jax.Array):
+            raise TypeError(
+                f"jdp.layer({name}): parameter {jax.tree_util.keystr(path) or '<root>'} is a "
+                f"{type(x).__name__}, not an array; a layer's first argument is its "
+                "parameters (arrays), its inputs come after: call it as layer(params, x, ...)")
+    if not is_given(params) and any(is_given(a) for a in args):
+        raise ValueError(
+            f"jdp.layer({name}): a later argument holds the parameters the loss was given, the "
+            "first does not: the arguments are swapped; call it as layer(params, x, ...) with "
+            "the layer's subtree of the step's params first")
 
 
 def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> Any:
@@ -292,6 +312,18 @@ def layer_policy(loss_fn: Callable, *, modules: Any = None, min_params: int | No
         return loss_fn(*args, **kwargs)
     setattr(loss, _POLICY, Policy(modules, min_params, enabled))
     return loss
+
+
+_SAID: set = set()   # (id of a loss function, what): said once per loss function
+
+
+def say_once(loss_fn: Callable, what: str, text: str) -> None:
+    """Warn `text` once per loss function and kind of news (the step traces it again for
+    each new input signature)."""
+    key = (id(loss_fn), what)
+    if key not in _SAID:
+        _SAID.add(key)
+        warnings.warn(text, UserWarning, stacklevel=2)
 
 
 def policy_of(loss_fn: Callable) -> Policy:

@@ -30,20 +30,58 @@ from jdp.core import _layers
 
 def find(loss_fn: Callable, trace: Callable[[], Any]) -> tuple[frozenset, frozenset]:
     """The layers (linen module paths, NNX call paths) of the flax model(s) that `trace()`
-    calls, under `loss_fn`'s policy (`_layers.layer_policy`): `trace` runs abstractly once."""
+    calls, under `loss_fn`'s policy (`_layers.layer_policy`): `trace` runs abstractly once.
+
+    A linen submodule that calls a module outside itself (a module shared by several blocks,
+    tied weights) cannot run on its own parameters alone: it is left to the compiler, and a
+    warning says so once. A policy of the user's that matches no submodule says so once."""
     policy = _layers.policy_of(loss_fn)
     linen, nnx = "flax.linen" in sys.modules, "flax.nnx" in sys.modules
     if not policy.enabled or not (linen or nnx):
         return frozenset(), frozenset()
     found_linen: dict = {}
     found_nnx: dict = {}
+    borrowing: dict = {}
     with contextlib.ExitStack() as stack:
         if linen:
-            stack.enter_context(_linen_recording(found_linen))
+            stack.enter_context(_linen_recording(found_linen, borrowing))
         if nnx:
             stack.enter_context(_nnx_recording(found_nnx))
         jax.eval_shape(trace)
-    return _layers.choose(found_linen, policy), _layers.choose(found_nnx, policy)
+    chosen = (_layers.choose(_own(found_linen, borrowing, loss_fn), policy),
+              _layers.choose(found_nnx, policy))
+    if not any(chosen) and (policy.modules or policy.min_params):
+        _layers.say_once(loss_fn, "matched", f"jdp.layer_policy({_rule(policy)}) matched no "
+                         "submodule of the model, which gathers as the compiler places it; "
+                         "its submodules with parameters are of the classes "
+                         f"{_classes(found_linen, found_nnx)}")
+    return chosen
+
+
+def _own(found: dict, borrowing: dict, loss_fn: Callable) -> dict:
+    """`found` without the submodules that call a module outside themselves (`borrowing`:
+    {path: the outside module's path}), which cannot be applied on their own."""
+    if not borrowing:
+        return found
+    path, outside = next(iter(borrowing.items()))
+    cls = found.get(path, (type(None), 0))[0].__name__
+    _layers.say_once(loss_fn, "shared", f"jdp: FSDP gathers the {len(borrowing)} submodule(s) "
+                     f"that call a module outside themselves (e.g. {cls} at "
+                     f"{'/'.join(path)} calls {'/'.join(outside)}: a shared module or tied "
+                     "weights) where the compiler places the gathers, not one layer at a "
+                     "time; the model trains as it does replicated")
+    return {p: v for p, v in found.items() if p not in borrowing}
+
+
+def _rule(policy: Any) -> str:
+    if policy.modules:
+        return "modules=" + ", ".join(m.__name__ for m in policy.modules)
+    return f"min_params={policy.min_params}"
+
+
+def _classes(*found: dict) -> str:
+    names = sorted({cls.__name__ for f in found for cls, _ in f.values()})
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "(none)"
 
 
 @contextlib.contextmanager
@@ -59,18 +97,30 @@ def gathering(found: tuple[frozenset, frozenset]):
 
 
 @contextlib.contextmanager
-def _linen_recording(found: dict):
-    """Records {module path: (class, parameter count)} of the linen submodules called."""
+def _linen_recording(found: dict, borrowing: dict):
+    """Records {module path: (class, parameter count)} of the linen submodules called, and
+    in `borrowing` {path: outside path} those that call a module with parameters outside
+    their own subtree."""
     import flax.linen as nn
+    running: list = []   # the paths of the submodule calls under way, outermost first
 
     def record(next_fun, args, kwargs, context):
         module = context.module
-        if context.method_name == "__call__" and module.scope is not None:
-            params = module.variables.get("params", {})
-            count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-            if count and _layers.is_given(params):
-                found[module.path] = (type(module), count)
-        return next_fun(*args, **kwargs)
+        if context.method_name != "__call__" or module.scope is None:
+            return next_fun(*args, **kwargs)
+        path = tuple(module.path)
+        params = module.variables.get("params", {})
+        count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        if count and _layers.is_given(params):
+            found[path] = (type(module), count)
+            for outer in running:
+                if path[:len(outer)] != outer:
+                    borrowing.setdefault(outer, path)
+        running.append(path)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            running.pop()
 
     with nn.intercept_methods(record):
         yield

@@ -8,6 +8,7 @@ Each model is built twice in its test, unrolled and scanned (`lax.scan` / `nn.sc
 form's under jdp's FSDP, every all-gather in its compiled step holds at most one layer, and 3
 steps equal single-device optax on the global batch."""
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -407,6 +408,70 @@ def test_an_nnx_rngs_passed_at_the_call_draws_what_it_draws_replicated():
         assert_tree_close(run[1], replicated[1])
 
 
+def test_a_module_shared_by_the_blocks_trains_as_replicated_and_is_said():
+    """Blocks that call one Dense held by their parent (tied weights) cannot run on their own
+    parameters: the rule leaves them to the compiler, says so once, and the model trains as
+    the replicated step does (it used to fail with flax's ScopeParamNotFoundError)."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        shared: nn.Module
+
+        @nn.compact
+        def __call__(self, h):
+            return jnp.tanh(self.shared(nn.Dense(32)(h)))
+
+    class Net(nn.Module):
+        def setup(self):
+            self.shared = nn.Dense(32)
+            self.blocks = [Block(self.shared) for _ in range(3)]
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.zeros((1, 32)))["params"]
+
+    def loss(p, b):
+        return jnp.mean((net.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    trained = []
+    for shard in (False, True):
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX),
+                              shard_params=shard)
+        step = jdp.train_step(loss, shard_params=shard)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for b in batches(N * 4, 32):
+                state, _ = step(state, jdp.shard(b))
+        trained.append(jdp.unshard(state).params)
+    assert any("call a module outside themselves" in str(w.message) for w in said), said
+    assert_tree_close(trained[1], trained[0])
+
+
+def test_a_policy_that_matches_nothing_says_so_once():
+    import flax.linen as nn
+
+    class Other(nn.Module):
+        pass
+
+    net = nn.Sequential([nn.Dense(16), nn.Dense(16)])
+    params = net.init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    loss = layer_policy(lambda p, b: jnp.mean((net.apply({"params": p}, b["x"]) - b["y"]) ** 2),
+                        modules=Other)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX),
+                          shard_params=True)
+    step = jdp.train_step(loss, shard_params=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for b in batches(N * 4, 16, steps=2):
+            state, _ = step(state, jdp.shard(b))
+    matched = [str(w.message) for w in said if "matched no submodule" in str(w.message)]
+    assert len(matched) == 1 and "modules=Other" in matched[0] and "Dense" in matched[0], said
+
+
 def test_a_linen_model_applied_with_batchnorm_statistics_runs_as_before():
     """A layer's writes to a collection (BatchNorm statistics in training) would have to come
     back out of the layer applied on its own: such a model runs with the gathers left to the
@@ -467,3 +532,25 @@ def test_marked_layers_with_accumulation_and_clipping_train_exactly():
         updates, opt_state = tx.update(jax.grad(loss)(want, b), opt_state, want)
         want = optax.apply_updates(want, updates)
     assert_tree_close(jdp.unshard(state).params, want)
+
+
+def test_a_marked_layers_contract_is_said_in_one_line():
+    """Parameters first (arrays), then inputs and any keywords."""
+    dense = layer(lambda p, x, scale=1.0: jnp.tanh(x @ p["w"]) * scale)
+    params = {"w": jnp.eye(16) * 0.5}
+    data = batches(N * 4, 16, steps=1)
+
+    def run(model):
+        loss = lambda p, b: jnp.mean((model(p, b["x"]) - b["y"]) ** 2)  # noqa: E731
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX),
+                              shard_params=True)
+        return jdp.train_step(loss, shard_params=True)(state, jdp.shard(data[0]))
+
+    with pytest.raises(ValueError, match=r"^jdp.layer\(<lambda>\): a later argument holds the "
+                                         r"parameters .* swapped"):
+        run(lambda p, x: dense(x, p))
+    with pytest.raises(TypeError, match=r"parameter \['s'\] is a float, not an array"):
+        run(lambda p, x: dense({**p, "s": 2.0}, x))
+    keyword = run(lambda p, x: dense(p, x, scale=0.5))[1]["loss"]
+    expected = jnp.mean((jnp.tanh(data[0]["x"] @ params["w"]) * 0.5 - data[0]["y"]) ** 2)
+    np.testing.assert_allclose(float(keyword), float(expected), rtol=1e-5)
