@@ -105,10 +105,24 @@ def _check_layer_params(fn: Callable, params: Any, args: tuple) -> None:
             "the layer's subtree of the step's params first")
 
 
+_COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute",
+                          "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast"})
+
+
 def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> Any:
-    """`fn(params, *args)` with `params` gathered just in time, forward and backward."""
+    """`fn(params, *args)` with `params` gathered just in time, forward and backward.
+
+    A layer with a collective inside (a BatchNorm synced over the devices, `axis_name=`)
+    cannot be recomputed in the backward pass, which runs outside the device map: it runs
+    as it is, its parameters gathered where the compiler places them, and that is said once."""
     arrays, rebuild = _split_static(args)
-    pure, consts = _hoisted(_inside(lambda p, a: fn(p, *rebuild(a))), params, arrays)
+    pure, consts, collective = _hoisted(_inside(lambda p, a: fn(p, *rebuild(a))), params, arrays)
+    if collective:
+        say_once(gathered_call, "collective", "jdp: FSDP gathers a layer with a collective "
+                 f"inside ({collective}, e.g. BatchNorm(axis_name=...)) where the compiler "
+                 "places the gathers, not on its own: its backward pass cannot be recomputed "
+                 "outside the device map; the numbers are the same")
+        return fn(params, *args)
 
     @jax.custom_vjp
     def run(p, a, c):
@@ -139,7 +153,8 @@ def _reduced(d: jax.Array, where: _Gathering) -> jax.Array:
 
 def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
     """`fn` as a function of `example`'s values and of every value it closes over (`consts`):
-    `(pure, consts)` with `pure(*example, *consts) == fn(*example)`. Unlike
+    `(pure, consts, collective)` with `pure(*example, *consts) == fn(*example)` and the first
+    collective `fn` runs ('' when none). Unlike
     `jax.closure_convert`, every closed-over value is hoisted, random keys and integers too:
     the backward pass is traced after the device map, where a value of the map's trace that
     `fn` closed over could no longer be used."""
@@ -151,7 +166,20 @@ def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
         flat = jax.tree.leaves(args[:len(example)])
         out = jax.core.eval_jaxpr(closed.jaxpr, list(args[len(example):]), *flat[:n])
         return jax.tree.unflatten(out_tree, out)
-    return pure, list(closed.consts)
+    return pure, list(closed.consts), _collective(closed.jaxpr)
+
+
+def _collective(jaxpr: Any) -> str:
+    """The name of the first collective in `jaxpr` (its sub-jaxprs too), '' when none."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _COLLECTIVES:
+            return eqn.primitive.name
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(inner, "jaxpr", inner)
+                if hasattr(sub, "eqns") and (found := _collective(sub)):
+                    return found
+    return ""
 
 
 def _inside(fn: Callable) -> Callable:

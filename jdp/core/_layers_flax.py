@@ -147,16 +147,18 @@ _AS_IS = object()
 
 
 def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
-    """`module(*args, **kwargs)` with its parameters gathered on their own; `_AS_IS` when the
-    model is applied with a collection it may write (BatchNorm statistics in training, sown
-    values): then it runs as it is, gathered where the compiler puts it."""
+    """`module(*args, **kwargs)` with its parameters gathered on their own (`_AS_IS` while
+    the model initialises).
+
+    The model may be applied with collections it writes (`mutable=["batch_stats"]`: BatchNorm
+    statistics in training, sown values): the layer applied on its own gets the same filter
+    (flax's `Scope.mutable`), and what it wrote comes back out and is written into the
+    model's scope, where the model's own `apply` returns it."""
+    if module.is_initializing():
+        return _AS_IS
     variables = dict(module.variables)
     params = variables.pop("params")
-    # The collections this `apply` may write (flax's `Scope.mutable` filter): any, and the
-    # layer's writes (even to a collection that does not exist yet, as `sow` makes) would have
-    # to come back out of the layer applied on its own.
-    if getattr(module.scope, "mutable", False) is not False or module.is_initializing():
-        return _AS_IS
+    mutable = getattr(module.scope, "mutable", False)
     # The module's own random streams (flax's `Scope.rngs`: the key and the path folded into
     # it lazily), so that the layer applied on its own draws what it draws in place; flax's
     # public `apply` takes only keys, so the layer is bound to a root `Scope` made with them,
@@ -165,11 +167,23 @@ def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
 
     rngs = dict(getattr(module.scope, "rngs", {}))
 
-    def apply(p, call_args):
+    def apply(p, call_args, held):
         a, k = call_args
-        scope = Scope({"params": p, **variables}, rngs=rngs, mutable=False)
-        return module.clone(parent=scope, _deep_clone=True)(*a, **k)
-    return _layers.gathered_call(apply, params, ((args, kwargs),), where)
+        scope = Scope({"params": p, **held}, rngs=rngs, mutable=mutable)
+        out = module.clone(parent=scope, _deep_clone=True)(*a, **k)
+        written = scope.mutable_variables() if mutable is not False else {}
+        return out, {c: v for c, v in written.items() if c != "params"}
+    out, written = _layers.gathered_call(apply, params, ((args, kwargs), variables), where)
+    for collection, tree in written.items():
+        _put(module.scope, collection, tree)
+    return out
+
+
+def _put(scope: Any, collection: str, tree: Any) -> None:
+    """Write `tree` (a collection's variables of the module at `scope`, its submodules' as
+    nested dicts, as flax keeps them) into `scope`, as the layer's writes in place would."""
+    for name, value in tree.items():
+        scope.put_variable(collection, name, value)
 
 
 class _Calls:

@@ -213,6 +213,9 @@ def _fsdp_gradients(state, batch, stop, options: StepOptions):
         split_axes=_zero.split_axes(state.params), comm_dtype=options.comm_dtype,
         compute_dtype=options.compute_dtype, **options.loss_options())
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    # The model state (BatchNorm statistics) is one copy, replicated as the state came in
+    # (the compiler would otherwise leave it split like the devices' copies it came from).
+    new_ms = jax.tree.map(lambda x: lax.with_sharding_constraint(x, _mesh.replicated()), new_ms)
     return grads, new_ms, metrics
 
 

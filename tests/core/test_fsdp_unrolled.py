@@ -472,16 +472,21 @@ def test_a_policy_that_matches_nothing_says_so_once():
     assert len(matched) == 1 and "modules=Other" in matched[0] and "Dense" in matched[0], said
 
 
-def test_a_linen_model_applied_with_batchnorm_statistics_runs_as_before():
-    """A layer's writes to a collection (BatchNorm statistics in training) would have to come
-    back out of the layer applied on its own: such a model runs with the gathers left to the
-    compiler, to the same numbers."""
+@pytest.mark.parametrize("synced", [False, True])
+def test_a_linen_model_applied_with_batchnorm_statistics_gathers_per_layer(monkeypatch, synced):
+    """Applied with `mutable=["batch_stats"]` (flax's ImageNet loss), each block runs on its
+    own parameters and its statistics come back out into the model's scope: the same numbers
+    as the replicated step, and the statistics come back replicated (evaluation takes the
+    state). A block whose BatchNorm is synced over the devices (a collective inside) is left
+    to the compiler and that is said once."""
     import flax.linen as nn
+    from jdp.core import _layers
 
     class Block(nn.Module):
         @nn.compact
         def __call__(self, h):
-            return jnp.tanh(nn.BatchNorm(use_running_average=False)(nn.Dense(32)(h)))
+            norm = nn.BatchNorm(use_running_average=False, axis_name=jdp.AXIS if synced else None)
+            return jnp.tanh(norm(nn.Dense(32)(h)))
 
     class Net(nn.Module):
         @nn.compact
@@ -497,19 +502,26 @@ def test_a_linen_model_applied_with_batchnorm_statistics_runs_as_before():
         out, new = net.apply({"params": p, **model_state}, b["x"], mutable=["batch_stats"])
         return jnp.mean((out - b["y"]) ** 2), new
 
-    results, gathers = [], []
-    for each in (loss, layer_policy(loss, enabled=False)):
+    gathered = []
+    monkeypatch.setattr(_layers, "_SAID", set())   # said once per process: anew for this test
+    monkeypatch.setattr(_layers, "_gather", lambda *a, f=_layers._gather: (
+        gathered.append(1), f(*a))[1])
+    results = []
+    for shard in (False, True):
         state = jdp.broadcast(jdp.TrainState.create(
             apply_fn=None, params=variables["params"], tx=TX,
-            model_state={"batch_stats": variables["batch_stats"]}), shard_params=True)
-        step = jdp.train_step(each, shard_params=True)
-        compiled = step.lower(state, jdp.shard(batches(N * 4, 32)[0])).compile()
-        for b in batches(N * 4, 32):
-            state, _ = step(state, jdp.shard(b))
+            model_state={"batch_stats": variables["batch_stats"]}), shard_params=shard)
+        step = jdp.train_step(loss, shard_params=shard,
+                              model_state_sync=None if synced else "mean")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for b in batches(N * 4, 32):
+                state, _ = step(state, jdp.shard(b))
+        assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.model_state))
         results.append((jdp.unshard(state).params, state.model_state))
-        gathers.append(sorted(all_gather_bytes(compiled)))
-    assert gathers[0] == gathers[1]
     assert_tree_close(*results)
+    assert bool(gathered) != synced, len(gathered)   # per layer, unless synced
+    assert synced == any("collective inside" in str(w.message) for w in said), said
 
 
 def test_marked_layers_with_accumulation_and_clipping_train_exactly():
