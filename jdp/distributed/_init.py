@@ -362,7 +362,7 @@ def _install_fail_fast_excepthook() -> None:
         lost = _rank.current().peers.lost(exc)
         if lost is not None and hasattr(exc, "add_note"):
             exc.add_note(lost)   # the failed collective's own message names no process
-        _run.report_failure(130 if issubclass(exc_type, KeyboardInterrupt) else 1, exc)
+        _run.report_failure(_run.failure_code(exc), exc)
 
     fail_fast._jdp_previous = previous  # type: ignore[attr-defined]
     fail_fast._jdp_sys_exit = sys.exit  # type: ignore[attr-defined]

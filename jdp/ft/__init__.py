@@ -4,7 +4,10 @@ A job of R replica groups: each group is its own jdp job (its own `jax.distribut
 coordinator, processes and devices, any layout inside); across groups one all-reduce of the
 gradient per step runs on torchft's process group, reconfigured by its Lighthouse at each
 step's quorum. A group that dies costs the others one discarded step; when its launcher
-restarts it, it heals from a live peer over the network.
+restarts it, it heals from a live peer over the network. Groups compare a fingerprint of what
+they built before they train together (a difference stops every group with one line), and a
+group never trains from the initial state while the job has gone on, nor alone unless
+`min_groups` allows it.
 
 The names resolve on first use, so the launcher imports `jdp.ft.lighthouse` without JAX.
 

@@ -9,6 +9,7 @@ import os
 from typing import NamedTuple
 
 from jdp.job import env as _env
+from jdp.job import values
 
 GROUP, GROUPS = _env.REPLICA_GROUP, _env.REPLICA_GROUPS
 LIGHTHOUSE, EVENTS = _env.FT_LIGHTHOUSE, _env.FT_EVENTS
@@ -40,19 +41,19 @@ def coordinates(group: int | None = None, groups: int | None = None,
 
 def group_of(group: int | None, groups: int | None, who: str) -> tuple[int, int]:
     """`(group, groups)`: the arguments given, else the environment's, checked."""
-    group = _integer(group, GROUP, who)
-    groups = _integer(groups, GROUPS, who)
+    group = _integer(group, "group", GROUP, who)
+    groups = _integer(groups, "groups", GROUPS, who)
     if groups < 1 or not 0 <= group < groups:
         raise ValueError(f"{who}: replica group {group} of {groups} is out of range; pass "
                          "0 <= group < groups (groups >= 1)")
     return group, groups
 
 
-def _integer(value: int | None, name: str, who: str) -> int:
+def _integer(value: int | None, argument: str, name: str, who: str) -> int:
+    """The argument (an int, NumPy's too), else the variable `name`'s integer."""
     if value is not None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{who}: {name.lower()[4:]}={value!r} is not an int; pass an int")
-        return value
+        return values.integer(who, argument, value, minimum=0 if argument == "group" else 1,
+                              fix="or leave it out to read " + name)
     text = os.environ.get(name)
     if text is None:
         raise ValueError(f"{who}: {name} is not set; {_HOW}")

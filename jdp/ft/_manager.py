@@ -25,6 +25,7 @@ from jdp.ft._coords import Coordinates
 HEARTBEAT_MS = 100     # the manager server's heartbeat to the Lighthouse
 OP_TIMEOUT_S = 10      # default: an all-reduce, a commit vote, a state transfer, a set-up
 CONNECT_TIMEOUT_S = 10
+ACCESS_LOG = "jdp.ft.checkpoint_server"   # torchft's checkpoint server's access lines
 
 
 def host_name() -> str:
@@ -62,13 +63,70 @@ def _no_flight_recorder(record: logging.LogRecord) -> bool:
     return "flight recorder" not in record.getMessage()
 
 
+def torchft_log(events: str | None, index: int) -> str | None:
+    """Send torchft's own log (its tracebacks of every failed all-reduce, three per discarded
+    step) and its checkpoint server's access log ("GET /checkpoint/0/full") to
+    `torchft.K.log` beside the group's events file (K: this process's index in the group),
+    or, without an events file, to the logger `jdp.ft.torchft` at debug level. The console
+    keeps jdp's one line per discarded step. Returns the file's path (None: none)."""
+    path = (os.path.join(os.path.dirname(events), f"torchft.{index}.log")
+            if events else None)
+    handler: logging.Handler = _Relay()
+    if path is not None:
+        try:
+            handler = logging.FileHandler(path)
+        except OSError:
+            path = None
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name, level in (("torchft", logging.WARNING), (ACCESS_LOG, logging.INFO)):
+        log = logging.getLogger(name)
+        for old in [h for h in log.handlers if getattr(h, "_jdp", False)]:
+            log.removeHandler(old)
+            old.close()
+        handler._jdp = True
+        log.addHandler(handler)
+        log.setLevel(level)
+        log.propagate = False
+    return path
+
+
+class _Relay(logging.Handler):
+    """torchft's records, passed on at debug level under `jdp.ft.torchft`."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("jdp.ft.torchft").debug(self.format(record))
+
+
+def _quiet_access_log(m) -> None:
+    """torchft's checkpoint server writes an access line per request, and a traceback for a
+    peer that went away mid-transfer, to stderr (the standard library's defaults): to the
+    ACCESS_LOG logger instead. The server is a private attribute of torchft's HTTP transport;
+    without it the lines stay on stderr."""
+    server = getattr(getattr(m, "_checkpoint_transport", None), "_server", None)
+    handler = getattr(server, "RequestHandlerClass", None)
+    if handler is not None:
+        handler.log_message = _log_request
+        server.handle_error = _log_error
+
+
+def _log_error(request, client_address) -> None:
+    logging.getLogger(ACCESS_LOG).warning("a request from %s failed", client_address,
+                                          exc_info=True)
+
+
+def _log_request(self, format: str, *args) -> None:   # noqa: A002 - the library's name
+    logging.getLogger(ACCESS_LOG).info("%s %s", self.address_string(), format % args)
+
+
 def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable,
             quorum_timeout_s: float, timeout_s: float = OP_TIMEOUT_S):
     """`(manager, process_group, store)`: a torchft Manager for this process, healing
     through `state_dict` / `load_state_dict`, on a gloo process group across the groups.
 
-    The quorum is synchronous (a healing group loads its peer's state before it computes),
-    and a fresh job's first step syncs every group's state from one of them (`init_sync`).
+    The quorum is synchronous (a healing group loads its peer's state before it computes).
+    torchft's `init_sync` stays off, so no quorum at step 0 moves a state: a fresh job's
+    groups poll many quorums while they wait for each other, and the first step gives every
+    group one state itself, once (`_agreement.initial_state`).
     """
     os.environ.setdefault("RUST_LOG", "warn")   # torchft's servers log every quorum at info
     _quiet_torchft()
@@ -86,5 +144,6 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
                 rank=jax.process_index(), world_size=jax.process_count(),
                 store_addr=host, store_port=port, lighthouse_addr=coords.lighthouse,
                 replica_id=f"jdp_group_{coords.group}", hostname=host,
-                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_MS), init_sync=True)
+                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_MS), init_sync=False)
+    _quiet_access_log(m)
     return m, pg, store

@@ -6,14 +6,20 @@ gradients of the groups in the quorum on the host over torchft's process group, 
 the update only if every group's all-reduce succeeded (torchft's `should_commit`). An attempt
 that fails (a group died during it) is discarded by every survivor and redone with the same
 batch in the next quorum. A group that comes back heals from a live peer before it computes.
+
+Before they train together, the groups of every new quorum exchange their fingerprints
+(`_fingerprint`, `_agreement`): a difference in what they built is named on every group and
+stops the job. A group at step 0 trains only when `_start` says so: never from the initial
+state while the job has gone on, never alone unless `min_groups` allows it. A group that
+stopped for good records why (`_record`), so its launcher's restarts stop at once too.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,13 +28,19 @@ import numpy as np
 
 from jdp.core import split_train_step
 from jdp.data import DistributedSampler
-from jdp.distributed import print0, require_job
-from jdp.ft import _coords, _exchange, _manager
+from jdp.distributed import broadcast_for, print0, require_job
+from jdp.ft import _agreement, _coords, _exchange, _fingerprint, _manager, _record, _start
 from jdp.job import env as _env
 from jdp.job import events as _events
+from jdp.job import run as _run
+from jdp.job import values as _values
 
 START_TIMEOUT_S = 300.0   # a fresh job's first step waits this long for every group
 NOTICE_S = 10.0           # and says so after this long
+TELL_S = 10.0             # a difference seen at step 0 with groups missing: raised after this
+                          # long (or once every group is here), so late groups see it too
+POLL_S = 0.1              # between the quorums of a group that waits at step 0
+WHO = "jdp.ft.Replicas"
 _SUM, _MEAN = "sum", "mean"
 
 
@@ -43,9 +55,13 @@ class Replicas:
         group, groups, lighthouse: default: `JDP_REPLICA_GROUP`, `JDP_REPLICA_GROUPS`,
             `JDP_FT_LIGHTHOUSE` (set by `jdp.launch --replica_group G --replica_groups R
             --ft_lighthouse ...`).
-        start_timeout: seconds a fresh job's first step waits for all `groups` to join
-            before it starts with those present.
-        quorum_timeout: seconds one quorum may take before the process raises.
+        start_timeout: seconds a fresh job's first step waits for all `groups` to join;
+            then the group stops with one line, unless `min_groups` allows fewer.
+        min_groups: the fewest groups a fresh job may start with once a group has waited
+            `start_timeout` (default: all `groups`: a job never starts with fewer by itself).
+        quorum_timeout: seconds one quorum may take before the process raises; also how
+            long a restarted group that finds nobody ahead of it waits for a live group to
+            heal from before it stops.
         timeout: seconds an all-reduce, a commit vote, a state transfer or the set-up of a
             quorum's process group may take before the attempt is discarded. A group that
             dies after a quorum counted it and before the process group was set up holds the
@@ -62,32 +78,73 @@ class Replicas:
     def __init__(self, state: Any, loader: Any = None, *, group: int | None = None,
                  groups: int | None = None, lighthouse: str | None = None,
                  start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0,
-                 timeout: float = _manager.OP_TIMEOUT_S):
-        require_job("jdp.ft.Replicas")
-        for name, value in (("start_timeout", start_timeout), ("quorum_timeout", quorum_timeout),
-                            ("timeout", timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"jdp.ft.Replicas: {name}={value!r} is not a positive number "
-                                 "of seconds; pass one")
+                 timeout: float = _manager.OP_TIMEOUT_S, min_groups: int | None = None):
+        require_job(WHO)
+        start_timeout, quorum_timeout, timeout = (
+            _values.seconds(WHO, name, value, maximum=_env.MAX_SECONDS, fix="a wait must end")
+            for name, value in (("start_timeout", start_timeout),
+                                ("quorum_timeout", quorum_timeout), ("timeout", timeout)))
         self.coords = _coords.coordinates(group, groups, lighthouse)
+        primary = jax.process_index() == 0
+        self._events = self.coords.events if primary else None   # the group's record
+        self._me = _start.Me(self.coords.group, self.coords.groups,
+                             self._min_groups(min_groups), start_timeout, quorum_timeout,
+                             self._past())
         self._state, self.loader = state, loader
         self._position = loader.state_dict() if loader is not None else None
-        self.start_timeout = float(start_timeout)
-        self._quorum_timeout = float(quorum_timeout)
+        self.start_timeout = start_timeout
+        self._quorum_timeout = quorum_timeout
+        self._fields, self._problem = self._set_up(state, loader)
         self._healed: Any = None      # a peer's state, placed, for the next step call
         self._batch: Any = None       # the batch of the step under way, kept for a retry
         self._epochs: Iterator | None = None
         self._ready = False           # a quorum was held for the attempt the step makes
         self._began = 0.0             # when the attempt began (its quorum)
+        self._checked: Any = None     # the quorum whose fingerprints were compared last
+        self._members: list = []      # the groups of that quorum
+        self._verdict: str | None = None      # a difference seen at step 0, to raise
+        self._mismatch: str | None = None     # a heal's state that did not fit this group's
+        self._told: float | None = None       # when this group first saw the verdict
+        self._said_fewer = False
         self.history: list = []       # (step, groups) of every step this group committed
         self.groups: list = []        # the groups of the last attempt's all-reduce
         self.committed: bool | None = None
-        primary = jax.process_index() == 0
-        self._events = self.coords.events if primary else None   # the group's record
+        self.torchft_log = _manager.torchft_log(self.coords.events, jax.process_index())
         self._manager, self._pg, self._store = _manager.manager(
             self.coords, self._state_dict, self._load_state_dict, quorum_timeout, timeout)
         self._record("join", group=self.coords.group, pid=os.getpid(),
-                     restart=int(os.environ.get(_env.RESTART_COUNT, 0)))
+                     restart=int(os.environ.get(_env.RESTART_COUNT, 0)), past=self._me.past)
+
+    def _min_groups(self, min_groups: int | None) -> int:
+        if min_groups is None:
+            return self.coords.groups
+        return _values.integer(WHO, "min_groups", min_groups, minimum=1,
+                               maximum=self.coords.groups,
+                               fix="the fewest replica groups a fresh job may start with")
+
+    def _past(self) -> int:
+        """The steps this group's record shows it committed before its restart (the same on
+        every process of the group); a group that had stopped for good stops again, at once,
+        before it reaches the Lighthouse."""
+        restart = int(os.environ.get(_env.RESTART_COUNT, 0) or 0)
+        past = _record.past(self._events, restart)
+        if past.stopped:
+            raise _final(f"{past.stopped} (this group stopped for it before its restart; "
+                         "a restart cannot change it)")
+        if jax.process_count() == 1:
+            return past.steps
+        return int(broadcast_for(np.int64(past.steps), WHO))
+
+    def _set_up(self, state: Any, loader: Any) -> tuple:
+        """The fingerprint's fields known at the start (`_fingerprint`), and a problem of
+        this group's own (a sampler that is not jdp.ft.sampler's), named on every group."""
+        fields = {**_fingerprint.of_job(self.coords.groups, jax.process_count(),
+                                        jax.device_count(), self._me.min_groups),
+                  **_fingerprint.of_state(state)}
+        data, problem = _fingerprint.of_loader(loader, self.coords.group, self.coords.groups,
+                                               jax.process_count(), jax.process_index())
+        self._state_fields = {k: fields[k] for k in _fingerprint.STATE_FIELDS if k in fields}
+        return {**fields, **data, "options": None, "num_steps": None}, problem
 
     @property
     def step(self) -> int:
@@ -106,6 +163,7 @@ class Replicas:
         from the peer's state, whatever state it is given."""
         gradients, update = split_train_step(loss_fn, **options)
         mean = options.get("grad_reduce", "mean") == "mean"
+        self._fields["options"] = _fingerprint.of_options(options)
 
         def step(state, batch):
             return self._attempt(gradients, update, mean, state, batch)
@@ -115,12 +173,12 @@ class Replicas:
         """The group's batch of each step until `num_steps` are committed: a quorum before
         each (a heal when this group comes back), and the same batch again after a
         discarded attempt."""
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"Replicas.batches: num_steps={num_steps!r} is not a positive int; "
-                             "pass the number of steps to commit")
+        num_steps = _values.integer("jdp.ft.Replicas.batches", "num_steps", num_steps,
+                                    minimum=1, fix="the number of steps to commit")
         if self.loader is None:
             raise ValueError("Replicas.batches: no loader; pass Replicas(state, loader) with a "
                              "jdp.data.Loader over jdp.ft.sampler(len(source))")
+        self._fields["num_steps"] = str(num_steps)
         while self.step < num_steps:
             self._quorum()
             if self._batch is None:
@@ -137,34 +195,101 @@ class Replicas:
         return next(self._epochs)
 
     def _quorum(self) -> None:
-        """torchft's quorum for the next attempt; a fresh job's first step waits until every
-        group has joined (or `start_timeout`)."""
+        """torchft's quorum for the next attempt. The first attempt of a new quorum compares
+        the groups' fingerprints first; at step 0 every quorum does, and the group trains
+        only when `_start` says so (it waits, polling quorums, or stops)."""
         began, noticed = time.monotonic(), False
         while True:
-            self._began = time.perf_counter()
-            try:
-                self._manager.start_quorum()
-            except TimeoutError as e:
-                raise TimeoutError(
-                    f"jdp.ft: no quorum within quorum_timeout={self._quorum_timeout:g} s from "
-                    f"the Lighthouse at {self.coords.lighthouse}: is it running and reachable? "
-                    "(its launcher then restarts this group's processes, --max_restarts)") from e
-            m = self._manager
-            if m.current_step() > 0 or m.num_participants() >= self.coords.groups:
+            self._start_quorum()
+            if self.step > 0 and not self._new_quorum():
+                return
+            rows = self._hello(time.monotonic() - began)
+            if self.step > 0:
                 return
             waited = time.monotonic() - began
-            if not noticed and waited > NOTICE_S:
-                noticed = True
-                print0(f"jdp.ft: group {self.coords.group} waits for the other replica groups "
-                       f"to join the first step: {m.num_participants()} of "
-                       f"{self.coords.groups} so far (up to start_timeout="
-                       f"{self.start_timeout:g} s)", file=sys.stderr)
-            if waited > self.start_timeout:
-                warnings.warn(f"jdp.ft: {m.num_participants()} of {self.coords.groups} replica "
-                              f"groups joined within {self.start_timeout:.0f} s; starting "
-                              "with those", stacklevel=3)
+            if self._agreed(self._decide(rows, waited)):
                 return
-            time.sleep(0.1)
+            if rows is not None and not noticed and waited > NOTICE_S:
+                noticed = True
+                print0(_start.waiting(rows, self._me), file=sys.stderr)
+            time.sleep(POLL_S)
+
+    def _start_quorum(self) -> None:
+        self._began = time.perf_counter()
+        try:
+            self._manager.start_quorum()
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"jdp.ft: no quorum within quorum_timeout={self._quorum_timeout:g} s from "
+                f"the Lighthouse at {self.coords.lighthouse}: is it running and reachable? "
+                "(its launcher then restarts this group's processes, --max_restarts)") from e
+
+    def _new_quorum(self) -> bool:
+        """Is this quorum one whose fingerprints this group has not compared? Every group of
+        a quorum gets the same id from the Lighthouse, and a new one whenever its members
+        change or an attempt failed, so all of them exchange at the same attempt. The id is
+        torchft's private `Manager._quorum_id`; without it, every attempt exchanges (the
+        same on every group, so still consistent)."""
+        quorum = getattr(self._manager, "_quorum_id", None)
+        return quorum is None or quorum != self._checked
+
+    def _hello(self, waited: float) -> list | None:
+        """Every group's row of this quorum (`_agreement.exchange`); a difference between
+        them stops every group with the same line. None when the exchange failed."""
+        self._checked = getattr(self._manager, "_quorum_id", None)
+        row = {"group": self.coords.group, "fp": self._fields, "problem": self._problem,
+               "step": self.step, "past": self._me.past,
+               "ready": _start.ready(self._me, waited)}
+        rows = _agreement.exchange(self._manager, self._pg, row)
+        if rows is not None:
+            self._members = sorted(r["group"] for r in rows)
+        found = _fingerprint.difference(rows) if rows is not None else None
+        self._verdict = found or self._mismatch or self._verdict
+        if self._verdict is not None:   # seen now, or before the exchange failed
+            self._judge(rows or [])
+        return rows
+
+    def _judge(self, rows: list) -> None:
+        """Stop with the verdict: at once, except at step 0 with groups still missing, where
+        it waits TELL_S (polling) so that groups starting a little later name it too."""
+        if self.step > 0 or len(rows) >= self.coords.groups:
+            self._stop(self._verdict)
+        if self._told is None:
+            self._told = time.monotonic()
+        if time.monotonic() - self._told > TELL_S:
+            self._stop(self._verdict)
+
+    def _decide(self, rows: list | None, waited: float) -> bool:
+        """Whether this group trains now (step 0): `_start.decide` on the quorum's rows; a
+        verdict to stop stops it. A failed exchange waits for the next quorum, for
+        `start_timeout` (or `quorum_timeout`, the longer) at most."""
+        if rows is None and waited > max(self.start_timeout, self._quorum_timeout):
+            self._stop(f"jdp.ft: replica group {self.coords.group} could not exchange with the "
+                       f"groups of its quorums for {waited:.0f} s (the last error: "
+                       f"{_error_line(self._manager.errored()) or 'none'}); check that the "
+                       "groups' machines reach each other")
+        if rows is None or self._verdict is not None:
+            return False
+        verdict = _start.decide(rows, self._me, waited)
+        if verdict not in (_start.GO, _start.WAIT):
+            self._stop(verdict)
+        if verdict == _start.GO and len(rows) < self.coords.groups and not self._said_fewer:
+            self._said_fewer = True
+            print0(_start.fewer(rows, self._me), file=sys.stderr)
+        return verdict == _start.GO
+
+    def _agreed(self, go: bool) -> bool:
+        """Process 0's decision on every process of the group: they run the same attempt
+        (their exchanges may differ when one of them failed)."""
+        if jax.process_count() == 1:
+            return go
+        return bool(broadcast_for(np.int32(go), WHO))
+
+    def _stop(self, line: str) -> None:
+        """End this group for good: the line in its record (a restart stops at once with it,
+        `_past`), then raised."""
+        self._record(_record.STOP, step=self.step, reason=line)
+        raise _final(line)
 
     def _attempt(self, gradients, update, mean, state, batch):
         if not self._ready:
@@ -173,6 +298,8 @@ class Replicas:
         self._ready = False
         if self._healed is not None:
             state, self._healed = self._healed, None
+        if self.step == 0:
+            state = self._initial(state)
         grads, new_ms, metrics = gradients(state, batch)
         kinds = ((grads, _MEAN if mean else _SUM), (new_ms, _MEAN), (metrics, _MEAN))
         host = [(_exchange.to_host(tree), kind) for tree, kind in kinds]
@@ -180,8 +307,7 @@ class Replicas:
         self.committed = self._manager.should_commit()
         seconds = time.perf_counter() - self._began
         if not self.committed:
-            self._record("discard", step=self.step + 1, groups=self.groups, seconds=seconds,
-                         error=_error_line(self._manager.errored()))
+            self._discarded(seconds)
             return state, metrics
         grads, new_ms, metrics = (_exchange.from_host(tree, values)
                                   for (tree, _), values in zip(kinds, reduced, strict=True))
@@ -192,6 +318,32 @@ class Replicas:
         self.history.append((self.step, self.groups))
         self._record("commit", step=self.step, groups=self.groups, seconds=seconds)
         return self._state, metrics
+
+    def _initial(self, state: Any) -> Any:
+        """A fresh job's first step: every group takes the state of the quorum's lowest
+        group, bitwise (`_agreement.initial_state`), so groups that initialised differently
+        still train one model. A failed transfer leaves the state (the attempt is
+        discarded)."""
+        first = (self._members or [self.coords.group])[0]
+        source = first == self.coords.group
+        got = _agreement.initial_state(self._manager, self._pg, _exchange.to_host(state), source)
+        if got is None:
+            return state
+        self._record("start", groups=self._members, source=first)
+        if source:
+            return state
+        self._state = _exchange.from_host(state, got)
+        return self._state
+
+    def _discarded(self, seconds: float) -> None:
+        """Record a discarded attempt and say so in one line (torchft's tracebacks of it go
+        to its own log, `torchft_log`)."""
+        why = _error_line(self._manager.errored()) or "a process of this group failed it"
+        self._record("discard", step=self.step + 1, groups=self.groups, seconds=seconds,
+                     error=why)
+        print0(f"jdp.ft: group {self.coords.group} discarded its attempt at step "
+               f"{self.step + 1} (groups {self._members}): {why}; it redoes the step with the "
+               "same batch in the next quorum", file=sys.stderr)
 
     def _allreduce(self, host: list) -> tuple[list, list]:
         """The trees' float pieces summed over the quorum's groups (the means divided by the
@@ -223,19 +375,24 @@ class Replicas:
 
     def _state_dict(self) -> dict:
         """What a healing peer fetches (on torchft's quorum thread, while this process waits
-        in the same quorum): this process's pieces of the state, bitwise, and the loader's
+        in the same quorum): this process's pieces of the state, bitwise, the loader's
         position after its last committed step (not the batch of a discarded attempt, kept for
-        the retry)."""
+        the retry), and the state's fingerprint, checked before the state is placed."""
         began = time.time()
         wire = _exchange.to_wire(_exchange.to_host(self._state))
         if self._events is not None:   # the digest is for the record alone
             self._record("serve", step=self.step, digest=_exchange.digest(wire), began=began)
-        return {"state": wire, "loader": self._position}
+        return {"state": wire, "loader": self._position, "fingerprint": self._state_fields}
 
     def _load_state_dict(self, saved: dict) -> None:
         """A peer's state, placed as this group's own, for the next attempt; the loader moves
-        to the peer's position."""
+        to the peer's position. A state of another tree or layout is not placed: the
+        fingerprints' exchange that follows names the difference on every group."""
         began = time.perf_counter()
+        self._mismatch = _fingerprint.heal_difference(saved.get("fingerprint"),
+                                                      self._state_fields)
+        if self._mismatch is not None:
+            return
         self._healed = _exchange.from_host(self._state, _exchange.from_wire(saved["state"]))
         self._state = self._healed
         if self.loader is not None and saved["loader"] is not None:
@@ -243,7 +400,6 @@ class Replicas:
             self._position = saved["loader"]
             self._epochs, self._batch = None, None
         step = self._manager.current_step()
-        # a fresh job's first quorum gives every group the same state: that is not a heal
         if step > 0 and self._events is not None:
             self._record("heal", step=step, digest=_exchange.digest(saved["state"]),
                          seconds=time.perf_counter() - self._began,
@@ -266,13 +422,26 @@ class Replicas:
         self.close()
 
 
+def _final(line: str) -> RuntimeError:
+    """The error of a group that stops for good (its set-up differs from the other groups',
+    or it has no live group to heal from): its rank exits with `jdp.job.run.FINAL_EXIT`
+    (78), which the launcher does not restart, since a restart could not change it."""
+    error = RuntimeError(line)
+    error.jdp_exit_code = _run.FINAL_EXIT
+    return error
+
+
 def sampler(num_examples: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
             group: int | None = None, groups: int | None = None) -> DistributedSampler:
     """A `DistributedSampler` over groups x processes: this process reads rank `group *
     process_count + process_index` of `groups * process_count`, so each group reads its
     own share of every step and no two groups read the same example."""
-    require_job("jdp.ft.sampler")
-    group, groups = _coords.group_of(group, groups, "jdp.ft.sampler")
+    who = "jdp.ft.sampler"
+    require_job(who)
+    shuffle = _values.flag(who, "shuffle", shuffle, fix="True permutes each epoch")
+    drop_last = _values.flag(who, "drop_last", drop_last,
+                             fix="True drops the tail that does not split evenly")
+    group, groups = _coords.group_of(group, groups, who)
     n = jax.process_count()
     return DistributedSampler(num_examples, num_replicas=groups * n,
                               rank=group * n + jax.process_index(), shuffle=shuffle, seed=seed,
@@ -301,5 +470,9 @@ def _merge(values: list, reduced: list) -> list:
 
 
 def _error_line(error: Any) -> str:
-    return str(getattr(error, "original_exception", error) or "").splitlines()[0][:200] \
-        if error else ""
+    """The first line of torchft's error, without gloo's source location
+    ("[.../pair.cc:537] "), at most 160 characters ("" for none)."""
+    if not error:
+        return ""
+    text = (str(getattr(error, "original_exception", error)).splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)[:160]

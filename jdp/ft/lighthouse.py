@@ -15,6 +15,8 @@ import argparse
 import socket
 import time
 
+from jdp.job import values
+
 DEFAULT_PORT = 29510
 HEARTBEAT_TIMEOUT_MS = 1000
 JOIN_TIMEOUT_MS = 2000
@@ -34,8 +36,10 @@ def server_class():
 def start(port: int = DEFAULT_PORT, min_replicas: int = 1):
     """Start a Lighthouse on every interface at `port` (0: a free one); keep the returned
     server referenced (it stops when collected, or at `.shutdown()`)."""
-    if not isinstance(port, int) or not 0 <= port < 65536:
-        raise ValueError(f"lighthouse port={port!r} is not a port number; pass 0..65535")
+    who = "jdp.ft.lighthouse.start"
+    port = values.integer(who, "port", port, minimum=0, maximum=65535, fix="0 picks a free one")
+    min_replicas = values.integer(who, "min_replicas", min_replicas, minimum=1,
+                                  fix="the replica groups a quorum needs at least")
     return server_class()(bind=f"[::]:{port}", min_replicas=min_replicas,
                           join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=QUORUM_TICK_MS,
                           heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
@@ -54,6 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--min_replicas", type=int, default=1)
     args = parser.parse_args(argv)
+    try:   # a bad value exits 2 with one line, as the launcher's options do
+        values.integer("", "--port", args.port, minimum=0, maximum=65535)
+        values.integer("", "--min_replicas", args.min_replicas, minimum=1)
+    except ValueError as e:
+        parser.error(str(e))
     server = start(args.port, args.min_replicas)
     print(f"jdp.ft: Lighthouse at {address(server)}", flush=True)
     while True:

@@ -37,6 +37,10 @@ STACK_FILE = "JDP_STACK_FILE"             # where the rank dumps its Python stac
 SPAWN_ENTRY = "jdp_entry"   # the payload's "module:function" a jdp.spawn rank runs (its launcher's)
 
 LOST_PEER_DELAY_S = 1.0
+# A failure no restart can mend (a replica group whose set-up differs from the others', or that
+# has no live peer to heal from): an exception with `jdp_exit_code = FINAL_EXIT` ends its rank
+# with this status, and the launcher does not restart the job for it (sysexits' EX_CONFIG).
+FINAL_EXIT = 78
 _HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHER_DIRS = (_HERE, os.path.join(os.path.dirname(_HERE), "launch"))
 """Where the frames a traceback leaves out live: this runner's (jdp/job) and jdp.spawn's."""
@@ -161,7 +165,16 @@ def guarded(target: Callable[[], object]) -> None:
     except BaseException:  # noqa: B036 - every failure must leave promptly
         if getattr(sys.excepthook, "_jdp_previous", None):   # jdp.initialize()'s, which
             sys.excepthook(*sys.exc_info())                  # tells the peers first
-        report_failure(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1)
+        report_failure(failure_code(sys.exc_info()[1]))
+
+
+def failure_code(exc: BaseException | None) -> int:
+    """The exit status of a rank that failed with `exc`: 130 after Ctrl-C, the exception's
+    own `jdp_exit_code` (FINAL_EXIT: not to be restarted), else 1."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    code = getattr(exc, "jdp_exit_code", 1)
+    return code if isinstance(code, int) and 0 < code < 128 else 1
 
 
 def die_with_supervisor() -> None:

@@ -9,7 +9,11 @@ named by `JDP_FT_EVENTS` (the launcher's working directory; appended across rest
   state's step after it) committed with those groups, in an attempt of d seconds;
 - `{"event": "discard", "step": s, "groups": [...], "seconds": d, "time": t, "error": ...}`:
   an attempt at step s discarded (no update): its d seconds are lost work;
-- `{"event": "heal", "step": s, "seconds": d, "time": t}`: the group healed from a live peer.
+- `{"event": "heal", "step": s, "seconds": d, "time": t}`: the group healed from a live peer;
+- `{"event": "start", "groups": [...], "source": g, "time": t}`: an attempt at a fresh job's
+  first step began from group g's state;
+- `{"event": "stop", "step": s, "reason": line, "time": t}`: the group stopped for good (the
+  groups differ, no live group to heal from, too few groups); its restarts stop at once.
 
 The functions below are pure over the list of events, so a run's record can be read back
 and replayed: `quorums` says which groups made each committed step.

@@ -20,9 +20,12 @@ from typing import NamedTuple
 
 from jdp.job import env as _env
 from jdp.job import net as _net
+from jdp.job import values
 
 DEFAULT_PORT = 29510   # jdp.ft.lighthouse.DEFAULT_PORT (not imported: see _lighthouse)
 EVENTS_FILE = "ft_events.jsonl"
+ALIVE_S = 4.0          # how long a joined Lighthouse's address is tried before exit 2 (a
+                       # launcher started beside the one that starts it finds it up)
 
 
 def _lighthouse():
@@ -34,9 +37,9 @@ def _lighthouse():
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """--replica_group G, --replica_groups R, --ft_lighthouse (also with dashes)."""
-    p.add_argument("--replica_group", "--replica-group", type=int, default=None, metavar="G",
+    p.add_argument("--replica_group", "--replica-group", default=None, metavar="G",
                    help="this launcher's replica group, 0..R-1, of a fault-tolerant job")
-    p.add_argument("--replica_groups", "--replica-groups", type=int, default=None, metavar="R",
+    p.add_argument("--replica_groups", "--replica-groups", default=None, metavar="R",
                    help="the fault-tolerant job's number of replica groups (a launcher each)")
     p.add_argument("--ft_lighthouse", "--ft-lighthouse", default=None,
                    metavar="start|start:PORT|HOST:PORT",
@@ -46,8 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def problem(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the replica-group options, as a one-line message with the
-    fix; None when fine. Sets args.ft_lighthouse to its checked form: "start:PORT",
-    "http://HOST:PORT", or None (the inherited JDP_FT_LIGHTHOUSE, or no replica groups)."""
+    fix; None when fine. Sets args.replica_group(s) to ints and args.ft_lighthouse to its
+    checked form: "start:PORT", "http://HOST:PORT", or None (the inherited JDP_FT_LIGHTHOUSE,
+    or no replica groups)."""
+    try:
+        _numbers(args)
+    except ValueError as e:
+        return str(e)
     group, groups, given = args.replica_group, args.replica_groups, args.ft_lighthouse
     if groups is None and group is not None:
         return (f"--replica_group {group} needs --replica_groups R, the job's number of replica "
@@ -58,18 +66,32 @@ def problem(args: argparse.Namespace) -> str | None:
     if groups is None:
         return (None if given is None else f"--ft_lighthouse {given} needs --replica_group G "
                 "--replica_groups R: the Lighthouse serves a job of replica groups")
-    if groups < 1:
-        return f"--replica_groups {groups}: must be >= 1 (the job's number of replica groups)"
     if not 0 <= group < groups:
         return (f"--replica_group {group} is not in 0..{groups - 1} (--replica_groups "
                 f"{groups}); number the groups 0..{groups - 1}")
+    if problem := _logdir_problem(getattr(args, "logdir", None)):
+        return problem
     if given is None:
         return _inherited_problem(os.environ.get(_env.FT_LIGHTHOUSE, ""), groups)
     checked = _checked(given)
     if checked.startswith("--"):
         return checked
     args.ft_lighthouse = checked
-    return _start_problem(given, checked) if checked.startswith("start:") else None
+    if checked.startswith("start:"):
+        return _start_problem(given, checked)
+    return _dead_problem(f"--ft_lighthouse {given}", checked)
+
+
+def _numbers(args: argparse.Namespace) -> None:
+    """--replica_group and --replica_groups as ints (`jdp.job.values`), in place; the group's
+    range depends on the groups, checked after."""
+    if args.replica_group is not None:
+        args.replica_group = values.from_text(values.integer, "", "--replica_group",
+                                              args.replica_group, fix="this group's index")
+    if args.replica_groups is not None:
+        args.replica_groups = values.from_text(values.integer, "", "--replica_groups",
+                                               args.replica_groups, minimum=1,
+                                               fix="the job's number of replica groups")
 
 
 def _checked(given: str) -> str:
@@ -101,7 +123,36 @@ def _inherited_problem(inherited: str, groups: int) -> str | None:
     if not inherited.startswith("http://") or _checked(inherited).startswith("--"):
         return (f"{_env.FT_LIGHTHOUSE}={inherited!r} is not http://HOST:PORT; set it to the "
                 "Lighthouse's address, or unset it and pass --ft_lighthouse")
-    return None
+    return _dead_problem(f"{_env.FT_LIGHTHOUSE}={inherited}", inherited)
+
+
+def _dead_problem(named: str, address: str) -> str | None:
+    """Does anything listen at the Lighthouse's address? A TCP connection, tried for
+    ALIVE_S seconds; else the one line that says so, before any rank starts (its ranks
+    would otherwise fail to reach it one by one, restart after restart)."""
+    host, port = _net.split_host_port(address.removeprefix("http://"))
+    conn = _net.connect(host, port, ALIVE_S)
+    if conn is not None:
+        conn.close()
+        return None
+    return (f"{named}: no Lighthouse answers at {_net.join_host_port(host, port)} (nothing "
+            f"accepted a connection within {ALIVE_S:g} s); start it first (--ft_lighthouse "
+            "start in one group's launcher, or python -m jdp.ft.lighthouse), or give its "
+            "address")
+
+
+def _logdir_problem(logdir: str | None) -> str | None:
+    """A --logdir below a regular file cannot hold the group's events: said before a
+    Lighthouse starts (the launcher would otherwise fail creating it, the Lighthouse up)."""
+    if logdir is None:
+        return None
+    path = os.path.abspath(logdir)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.isdir(path):
+        return None
+    return (f"--logdir {logdir}: {path} is a file, not a directory, so the group's events "
+            f"({EVENTS_FILE}) cannot go below it; pass a directory path")
 
 
 def _start_problem(given: str, checked: str) -> str | None:

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from jdp.job import net as _net
+from jdp.job import run as _run
 from jdp.job import waiting as _waiting
 from jdp.job.outcome import Job, Outcome, State, exit_status, report, round_line
 
@@ -209,8 +210,9 @@ class Keeper:
                 first, signaled, drained = self._round(r, members)
                 if signaled or first is None and not drained:
                     break
-                if first is not None and restarts == self.max_restarts:
-                    break
+                if first is not None and (restarts == self.max_restarts
+                                          or first["status"] == _run.FINAL_EXIT):
+                    break   # out of restarts, or a failure a restart cannot mend
                 if first is not None:
                     restarts += 1
                 previous, r = members, r + 1

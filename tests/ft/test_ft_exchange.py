@@ -9,6 +9,7 @@ import pytest
 
 import jdp
 from jdp.ft import _coords, _exchange
+from jdp.job.run import FINAL_EXIT, failure_code
 
 torch = pytest.importorskip("torch")
 
@@ -105,7 +106,29 @@ def test_bad_replica_arguments_are_one_line_errors(monkeypatch):
     state = _state()
     with pytest.raises(ValueError) as e:
         jdp.ft.Replicas(state, start_timeout=0)
-    assert_one_line(e.value, ["start_timeout=0", "positive"])
+    assert_one_line(e.value, ["start_timeout=0", "finite number of seconds > 0"])
     with pytest.raises(TypeError) as e:
         jdp.ft.Replicas(state, group="1", groups=2)
     assert_one_line(e.value, ["group='1'", "int"])
+    with pytest.raises(ValueError) as e:
+        jdp.ft.Replicas(state, min_groups=3)   # of 2 groups
+    assert_one_line(e.value, ["min_groups=3", "in 1..2", "fewest replica groups"])
+    with pytest.raises(TypeError) as e:
+        jdp.ft.Replicas(state, min_groups=1.0)
+    assert_one_line(e.value, ["min_groups=1.0", "int"])
+
+
+def test_a_group_that_stopped_for_good_stops_again_before_it_reaches_the_lighthouse(
+        tmp_path, monkeypatch):
+    events = tmp_path / "ft_events.jsonl"
+    events.write_text('{"event": "join", "restart": 0, "time": 1}\n'
+                      '{"event": "stop", "reason": "jdp.ft: groups 0 and 1 differ", "time": 2}\n')
+    for name, value in (("JDP_REPLICA_GROUP", "0"), ("JDP_REPLICA_GROUPS", "2"),
+                        ("JDP_FT_LIGHTHOUSE", "127.0.0.1:1"), ("JDP_FT_EVENTS", str(events)),
+                        ("JDP_RESTART_COUNT", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError) as e:   # the Lighthouse's address is never tried
+        jdp.ft.Replicas(_state())
+    assert str(e.value).startswith("jdp.ft: groups 0 and 1 differ (this group stopped for it "
+                                   "before its restart")
+    assert failure_code(e.value) == FINAL_EXIT == 78   # the launcher does not restart it

@@ -26,3 +26,4 @@ def test_redone_only_after_a_restart(lost, last_failed, said, unsaid):
         assert words in text, text
     for words in unsaid:
         assert words not in text, text
+
