@@ -7,9 +7,9 @@ from there. Until then a round's start-up gets `startup_s` (default STARTUP_S, o
 JDP_STARTUP_TIMEOUT), never less than the progress timeout: ranks that never record (stuck
 in their imports, or in a collective before any jdp call) are named with their stacks too.
 A rank blocked outside a collective (a hung read, a deadlock) leaves its peers waiting inside
-the next one, so the ranks with the fewest steps are the ones to look at. A rank whose code finished (phase "done", recorded at its exit)
-while another waits in a later step than it ran is named at once (FINISHED_WAIT_S): that step
-can never complete.
+the next one, so the ranks with the fewest steps are the ones to look at. A rank whose code
+finished (phase "done", recorded at its exit) while another waits in a later step than it ran
+is named at once (FINISHED_WAIT_S): that step can never complete.
 
 Stacks are shown as a traceback shows them: most recent call last, each frame with its source
 line, without the launcher's own frames (runpy, `run.py`), so the user's code comes first.

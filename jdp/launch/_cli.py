@@ -67,9 +67,9 @@ failures: when a process exits non-zero or dies by a signal, every process of th
 
 rounds (--max_restarts K, --nnodes M): a job runs in rounds; after a failure all processes
   of every node start again together, up to K times (never after a rank's exit status 78,
-  a failure no restart can mend, e.g. replica groups whose set-ups differ). Node 0's launcher keeps the
-  rounds (on --rdzv_port when M > 1); every launcher prints the same summary of a round's
-  first failure. A launcher that vanishes counts as a failure of its node; the next round
+  a failure no restart can mend, e.g. replica groups whose set-ups differ). Node 0's
+  launcher keeps the rounds (on --rdzv_port when M > 1); every launcher prints the same
+  summary of a round's first failure. A launcher that vanishes counts as a failure of its node; the next round
   waits (up to 300 s) for a launcher of that node to connect.
 
 elastic (--nnodes MIN:MAX, --rdzv_timeout S): a round starts when MAX nodes are there, or with

@@ -480,6 +480,7 @@ def test_a_linen_model_applied_with_batchnorm_statistics_gathers_per_layer(monke
     state). A block whose BatchNorm is synced over the devices (a collective inside) is left
     to the compiler and that is said once."""
     import flax.linen as nn
+
     from jdp.core import _layers
 
     class Block(nn.Module):

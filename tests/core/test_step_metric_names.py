@@ -1,7 +1,6 @@
 """A loss whose aux metrics hold a "loss" entry used to replace the step's objective in the
 returned metrics without a word; it is refused with one line, and metrics under other names
 come back beside the objective (checked against one device on the global batch)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
