@@ -69,8 +69,8 @@ rounds (--max_restarts K, --nnodes M): a job runs in rounds; after a failure all
   of every node start again together, up to K times (never after a rank's exit status 78,
   a failure no restart can mend, e.g. replica groups whose set-ups differ). Node 0's
   launcher keeps the rounds (on --rdzv_port when M > 1); every launcher prints the same
-  summary of a round's first failure. A launcher that vanishes counts as a failure of its node; the next round
-  waits (up to 300 s) for a launcher of that node to connect.
+  summary of a round's first failure. A launcher that vanishes counts as a failure of its
+  node; the next round waits (up to 300 s) for a launcher of that node to connect.
 
 elastic (--nnodes MIN:MAX, --rdzv_timeout S): a round starts when MAX nodes are there, or with
   the nodes there once at least MIN are and S seconds (default 30) have passed. A lost node (its
