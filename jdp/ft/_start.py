@@ -42,9 +42,9 @@ def decide(rows: list, me: Me, waited: float) -> str:
         return no_peer(rows, me) if alone_or_all or waited > me.quorum_timeout else WAIT
     if len(rows) >= me.groups:
         return GO
-    if len(rows) >= me.min_groups and any(r["ready"] for r in rows):
-        return GO
-    return too_few(rows, me) if waited > me.start_timeout else WAIT
+    if len(rows) >= me.min_groups:   # enough: every group starts once one row says it has
+        return GO if any(r["ready"] for r in rows) else WAIT   # waited (the same rows
+    return too_few(rows, me) if waited > me.start_timeout else WAIT   # everywhere)
 
 
 def ready(me: Me, waited: float) -> bool:

@@ -34,6 +34,9 @@ def test_min_groups_starts_every_group_of_the_quorum_once_one_waited_long_enough
     assert _start.decide(_rows(0, 1, ready=(0,)), me, 10.0) == _start.GO   # group 0 waited
     assert _start.ready(me, 300.0) and not _start.ready(me, 299.9)
     assert "min_groups=2 is not reached" in _start.decide(_rows(1), me, 301.0)
+    # enough groups, past start_timeout here, but no row said so yet (this group's flag was
+    # written a moment before its timeout): wait for the next poll's rows, never stop
+    assert _start.decide(_rows(0, 1), me, 301.0) == _start.WAIT
 
 
 def test_a_record_of_commits_with_nobody_ahead_stops_rather_than_start_over():
