@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/mnist.py --output-dir runs/demo
 
-# Everything, as CI runs it (tests/system/ starts processes: about 16 minutes on 2 cores).
+# Everything, as CI runs it (tests/system/ starts processes: about 22 minutes on 2 cores).
 test: install
 	$(PY) -m pytest -q
 
