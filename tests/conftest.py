@@ -222,6 +222,16 @@ def tag() -> str:
 
 
 @pytest.fixture
+def lighthouse(monkeypatch):
+    """A torchft Lighthouse in this process for a replica-group test (`jdp.ft`): its address."""
+    from jdp.ft import lighthouse as lh
+    monkeypatch.setenv("RUST_LOG", "warn")   # read when torchft's logger starts: quorums unlogged
+    server = lh.start(0)
+    yield lh.address(server, "127.0.0.1")
+    server.shutdown()
+
+
+@pytest.fixture
 def tagged(monkeypatch, tag):
     """For jobs started in this process (jdp.spawn): children inherit our environment, so tag
     it, clear launcher variables, and let them import the tests' modules (tests/system/

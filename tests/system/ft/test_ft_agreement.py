@@ -20,15 +20,6 @@ WIDTH = 32
 FIX = "start every group with the same script and options"
 
 
-@pytest.fixture
-def lighthouse(monkeypatch):
-    from jdp.ft import lighthouse as lh
-    monkeypatch.setenv("RUST_LOG", "warn")
-    server = lh.start(0)
-    yield lh.address(server, "127.0.0.1")
-    server.shutdown()
-
-
 def start(tmp_path, lighthouse, name, group, args, groups=2, processes=1, devices=2):
     """The processes of one group running ft_setup.py; its events go to ev{name}.jsonl."""
     extra = {"JDP_REPLICA_GROUP": str(group), "JDP_REPLICA_GROUPS": str(groups),

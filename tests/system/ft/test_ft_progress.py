@@ -23,15 +23,6 @@ SETUP = f"{REPO}/tests/system/ft/ft_setup.py"
 BATCH, WIDTH, LR = 8, 32, 0.01
 
 
-@pytest.fixture
-def lighthouse(monkeypatch):
-    from jdp.ft import lighthouse as lh
-    monkeypatch.setenv("RUST_LOG", "warn")
-    server = lh.start(0)
-    yield lh.address(server, "127.0.0.1")
-    server.shutdown()
-
-
 def launch(tmp_path, tag, g, where, args, script=EXAMPLE, restarts=2, groups=2, name=None):
     """Group g's launcher (logs under tmp_path/<name>, its console in <name>.log)."""
     name = name or f"g{g}"

@@ -14,15 +14,6 @@ EXAMPLE = f"{REPO}/examples/fault_tolerant.py"
 BATCH, WIDTH, LR = 8, 32, 0.01
 
 
-@pytest.fixture
-def lighthouse(monkeypatch):
-    from jdp.ft import lighthouse as lh
-    monkeypatch.setenv("RUST_LOG", "warn")   # read when torchft's logger starts: quorums unlogged
-    server = lh.start(0)
-    yield lh.address(server, "127.0.0.1")
-    server.shutdown()
-
-
 def start_group(tmp_path, lighthouse, group, groups, args, processes=1, devices=2):
     """The processes of one group (a jdp job of its own: its own coordinator port)."""
     port = str(free_port())
