@@ -123,7 +123,8 @@ class Loader:
                                      "pass the number of batches to prepare ahead (0: none)")
         self.num_workers = _require_int("Loader", "num_workers", num_workers, 0,
                                         "pass the number of worker processes (0: read here)")
-        self.timeout = timeout
+        self.timeout = None if timeout is None else values.seconds(
+            "Loader", "timeout", timeout, maximum=MAX_SECONDS, fix="or None: no limit")
         _check_args(self, num_examples)
         self._recipe = _sources.Recipe(read, transform, _sources.wants_rng(transform))
         if self.num_workers:
@@ -483,7 +484,7 @@ def _default_sampler(sampler: DistributedSampler | None, num_examples: int,
 
 
 def _check_args(loader: Loader, num_examples: int) -> None:
-    """Devices, batch size, transform and timeout fit together."""
+    """Devices, batch size, transform and drop_last fit together."""
     n = len(loader.devices)
     if n == 0:
         raise ValueError("Loader: devices=[] is empty; pass None (all local devices) or a list")
@@ -495,9 +496,6 @@ def _check_args(loader: Loader, num_examples: int) -> None:
     if loader.transform is not None and not callable(loader.transform):
         raise TypeError(f"Loader: transform={loader.transform!r} is not callable; pass "
                         "transform(batch) -> batch (or transform(batch, rng)) or None")
-    if loader.timeout is not None:
-        loader.timeout = values.seconds("Loader", "timeout", loader.timeout,
-                                        maximum=MAX_SECONDS, fix="or None: no limit")
     if loader.drop_last and len(loader) == 0:
         raise ValueError(f"Loader: drop_last=True with batch_size={loader.batch_size} leaves no "
                          f"batch of the {len(loader.sampler)} examples this process gets (of "
