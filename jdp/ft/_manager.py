@@ -147,3 +147,24 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
                 heartbeat_interval=timedelta(milliseconds=HEARTBEAT_MS), init_sync=False)
     _quiet_access_log(m)
     return m, pg, store
+
+
+def unreachable(error: Exception, lighthouse: str, past: int) -> str | None:
+    """The one line for torchft's failure to reach the Lighthouse at `lighthouse` (None: the
+    error is another). A group whose record shows `past` > 0 steps had trained under that
+    Lighthouse in this job: it is gone (the launcher that started it ended, or its machine),
+    no quorum can form again, and the caller stops for good; a first start names the fix."""
+    text = str(error)
+    if "failed to connect" not in text or lighthouse.rstrip("/") not in text:
+        return None
+    if past > 0:
+        return (f"jdp.ft: the Lighthouse at {lighthouse} did not answer within "
+                f"{CONNECT_TIMEOUT_S} s, and this group had committed {past} steps under it: "
+                "it is gone (the launcher that started it with --ft_lighthouse start has "
+                "ended, or its machine), so no quorum can form; restart the job from a "
+                "checkpoint, with a Lighthouse that outlives every group (python -m "
+                "jdp.ft.lighthouse) for a long job")
+    return (f"jdp.ft: the Lighthouse at {lighthouse} did not answer within {CONNECT_TIMEOUT_S} "
+            "s: start one (jdp.launch --ft_lighthouse start on one group's launcher, or python "
+            "-m jdp.ft.lighthouse) and give every group its HOST:PORT (--ft_lighthouse, or "
+            "JDP_FT_LIGHTHOUSE)")

@@ -110,10 +110,21 @@ class Replicas:
         self.groups: list = []        # the groups of the last attempt's all-reduce
         self.committed: bool | None = None
         self.torchft_log = _manager.torchft_log(self.coords.events, jax.process_index())
-        self._manager, self._pg, self._store = _manager.manager(
-            self.coords, self._state_dict, self._load_state_dict, quorum_timeout, timeout)
+        self._manager, self._pg, self._store = self._torchft(quorum_timeout, timeout)
         self._record("join", group=self.coords.group, pid=os.getpid(),
                      restart=int(os.environ.get(_env.RESTART_COUNT, 0)), past=self._me.past)
+
+    def _torchft(self, quorum_timeout: float, timeout: float) -> tuple:
+        """`_manager.manager`, with a Lighthouse that does not answer named in one line: a
+        group that had trained under it stops for good (exit 78), as no restart reaches it."""
+        try:
+            return _manager.manager(self.coords, self._state_dict, self._load_state_dict,
+                                    quorum_timeout, timeout)
+        except RuntimeError as e:
+            line = _manager.unreachable(e, self.coords.lighthouse, self._me.past)
+            if line is None:
+                raise
+            raise (_final(line) if self._me.past > 0 else RuntimeError(line)) from None
 
     def _min_groups(self, min_groups: int | None) -> int:
         if min_groups is None:
