@@ -19,9 +19,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/mnist.py --output-dir runs/demo
 
-# Everything, as CI runs it (tests/system/ starts processes: about 22 minutes on 2 cores).
+# Everything, as CI runs it, in JOBS pytest workers (pytest-xdist): most tests under
+# tests/system/ wait on processes they started, so two workers on 2 cores take about half the
+# time of one. The 20 slowest tests are listed at the end.
+JOBS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --durations=20
 
 # The unit tests and doctests alone, nothing that starts a process and no unit test marked slow
 # (make test runs those): the loop while editing.
