@@ -97,6 +97,7 @@ class Replicas:
         self._fields, self._problem = self._set_up(state, loader)
         self._healed: Any = None      # a peer's state, placed, for the next step call
         self._batch: Any = None       # the batch of the step under way, kept for a retry
+        self._halves: tuple | None = None     # train_step's (gradients, update)
         self._epochs: Iterator | None = None
         self._ready = False           # a quorum was held for the attempt the step makes
         self._began = 0.0             # when the attempt began (its quorum)
@@ -173,6 +174,7 @@ class Replicas:
         state it was given (`replicas.committed` is False); after a heal the step starts
         from the peer's state, whatever state it is given."""
         gradients, update = split_train_step(loss_fn, **options)
+        self._halves = gradients, update
         mean = options.get("grad_reduce", "mean") == "mean"
         self._fields["options"] = _fingerprint.of_options(options)
 
@@ -190,6 +192,7 @@ class Replicas:
             raise ValueError("Replicas.batches: no loader; pass Replicas(state, loader) with a "
                              "jdp.data.Loader over jdp.ft.sampler(len(source))")
         self._fields["num_steps"] = str(num_steps)
+        self._warm_up()
         while self.step < num_steps:
             self._quorum()
             if self._batch is None:
@@ -199,6 +202,19 @@ class Replicas:
             if self._ready:
                 raise RuntimeError("Replicas.batches: a batch went by without a step; call "
                                    "the step from replicas.train_step once per batch")
+
+    def _warm_up(self) -> None:
+        """Compile this group's step before its first quorum (the step from `train_step`,
+        on the first batch: one gradient computed and dropped, the update compiled alone,
+        as it donates the state). A group that joins a running job, or comes back to it,
+        then computes its first attempt at once: the others no longer wait in the all-reduce
+        for its compilation (seconds on a CPU; past `timeout`, a discarded step)."""
+        if self._halves is None or self._batch is not None:
+            return
+        gradients, update = self._halves
+        self._batch = self._next_batch()   # the first step's (a heal replaces it)
+        grads, new_model_state, _ = gradients(self._state, self._batch)
+        update.lower(self._state, grads, new_model_state).compile()
 
     def _next_batch(self) -> Any:
         if self._epochs is None:
