@@ -2,7 +2,7 @@
 stall per kill, the heal time of a large state, the step time against the same layout without
 FT, and goodput with a kill at every interval beside restarts from disk checkpoints.
 
-    python -m benchmarks.ft [--size tiny|quick|full] [--parts heal,step,goodput]
+    python -m benchmarks.ft [--size tiny|quick|full] [--parts heal,step,goodput,churn]
                             [--duration S --every S]     # the tables, as markdown
 
 An FT job is 3 replica groups, each `python -m jdp.launch --nproc_per_node 1
@@ -46,14 +46,15 @@ from jdp.job.events import read
 WARM, SYNC, CHECKPOINT_EVERY = 20, 10, 100
 BIG_WIDTH = 65_536   # the example's MLP with 18 x 65,536 + 1 = 1.2M parameters
 # duration/every: the goodput runs' seconds and kill interval; steps, repeats, widths: the
-# step-time runs; heal_params: the heal benchmark's state.
+# step-time runs; heal_params: the heal benchmark's state; churn: rounds of two kills, the
+# second at the first group's return.
 SIZES = {
     "tiny": dict(duration=20, every=10, steps=60, repeats=1, widths=(64,),
-                 heal_params=1_000_000),
+                 heal_params=1_000_000, churn=1),
     "quick": dict(duration=60, every=15, steps=200, repeats=2, widths=(BIG_WIDTH, 64),
-                  heal_params=50_000_000),
+                  heal_params=50_000_000, churn=8),
     "full": dict(duration=600, every=60, steps=400, repeats=3, widths=(BIG_WIDTH, 64),
-                 heal_params=50_000_000)}
+                 heal_params=50_000_000, churn=20)}
 
 
 def stalls(job: Job, kills: list) -> list:
@@ -174,14 +175,75 @@ def _per_step(job: Job) -> float:
     return statistics.median((b[0] - a[0]) / (b[1] - a[1]) for a, b in pairs)
 
 
-PARTS = ("heal", "step", "goodput")
+def churn(root: str, size: dict) -> list:
+    """Kills timed at another group's return, `churn` rounds: kill a random group's worker,
+    and the moment its launcher's new worker joins (its join event), kill another group's
+    (one that has made a step since its own start). Each kill's `stalls` row, with "at" the
+    kill's moment ("any", "rejoin")."""
+    rng = random.Random(size.get("seed", 0))
+    job = ft_job(root, ["examples/fault_tolerant.py", "--steps", "100000000"],
+                 2 * size["churn"] + 2)
+    kills: list = []
+    try:
+        for _ in range(size["churn"]):
+            first, second = rng.sample(range(GROUPS), 2)
+            pids = [_trains(job, g, kills) for g in range(GROUPS)]
+            os.kill(pids[first], signal.SIGKILL)
+            kills.append({"victim": first, "time": time.time(), "pid": pids[first], "at": "any"})
+            wait_for(lambda g=first: _joined(job, g, kills), 300, f"group {first}'s return")
+            os.kill(pids[second], signal.SIGKILL)
+            kills.append({"victim": second, "time": time.time(), "pid": pids[second],
+                          "at": "rejoin"})
+        for g in range(GROUPS):
+            _trains(job, g, kills)
+        return {"kills": stalls(job, kills), "returns": returns(job, kills)}
+    finally:
+        stop(job)
+
+
+def returns(job: Job, kills: list, window: float = 10.0) -> list:
+    """Per return of a killed group (a join after a kill): the longest gap between the
+    commits of a group that was not restarted in the `window` s after it joined: what the
+    others wait while it heals and starts training again."""
+    events = [read(path) for path in job.events]
+    joins = [(e["time"], g) for g, ev in enumerate(events) for e in ev
+             if e["event"] == "join" and e.get("restart", 0) > 0]
+    out = []
+    for at, back in sorted(joins):
+        gaps = []
+        for g, ev in enumerate(events):
+            if g == back or any(at - 5 < e["time"] < at + window for e in ev
+                                if e["event"] == "join"):
+                continue   # the returning group, or one restarted itself meanwhile
+            times = [e["time"] for e in ev if e["event"] == "commit"
+                     and at - 5 < e["time"] < at + window]
+            gaps += [b - a for a, b in zip(times, times[1:], strict=False) if b > at]
+        out.append({"group": back, "gap_s": max(gaps, default=None)})
+    return out
+
+
+def _trains(job: Job, group: int, kills: list) -> int:
+    """The pid of the group's worker once one not killed has made a step since it started."""
+    dead = {k["pid"] for k in kills}
+    return wait_for(lambda: (pid := victim_pid(job, group)) not in dead and pid, 300,
+                    f"a step of group {group}")
+
+
+def _joined(job: Job, group: int, kills: list) -> bool:
+    """Has a worker of the group that was not killed joined?"""
+    joins = [e for e in read(job.events[group]) if e["event"] == "join"]
+    return bool(joins) and joins[-1]["pid"] not in {k["pid"] for k in kills}
+
+
+PARTS = ("heal", "step", "goodput", "churn")
 
 
 def measure(size: dict, parts=PARTS) -> dict:
-    """The figures of `parts` ("heal", "step", "goodput"), each in its own temporary
+    """The figures of `parts` ("heal", "step", "goodput", "churn"), each in its own temporary
     directory."""
     run = {"heal": lambda d: heal(d, size["heal_params"]),
-           "step": lambda d: step_times(d, size), "goodput": lambda d: goodput(d, size)}
+           "step": lambda d: step_times(d, size), "goodput": lambda d: goodput(d, size),
+           "churn": lambda d: churn(d, size)}
     with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
         return {part: run[part](os.path.join(root, part)) for part in parts}
 
@@ -201,6 +263,23 @@ def _stall_rows(g: dict) -> list:
              "return"],
             ["heal of the returning group, example's state (max)",
              f"{_s(max(healed, default=None))} s", "", "the same kills; heal event's seconds"]]
+
+
+def _churn_rows(churned: dict) -> list:
+    kills, rows = churned["kills"], []
+    for at, label in (("any", "while every group trains"), ("rejoin", "at another's return")):
+        stalled = [k["stall_s"] for k in kills if k["at"] == at and k["stall_s"] is not None]
+        rows.append([f"survivors' stall per kill {label} (max)",
+                     f"{_s(max(stalled, default=None))} s (each: "
+                     + ", ".join(_s(x) for x in stalled) + ")", "<= 2 s",
+                     f"{len(stalled)} kills: churn rounds of two, the second the moment the "
+                     "first group's new worker joins"])
+    gaps = [r["gap_s"] for r in churned["returns"] if r["gap_s"] is not None]
+    rows.append(["others' longest step at a group's return (max)",
+                 f"{_s(max(gaps, default=None))} s (each: " + ", ".join(_s(x) for x in gaps)
+                 + ")", "<= 2 s", f"{len(gaps)} returns of the churn rounds: the longest gap "
+                 "between commits of a group not restarted, 10 s from the return's join"])
+    return rows
 
 
 def _heal_rows(h: dict) -> list:
@@ -241,7 +320,8 @@ def render(r: dict, size: dict) -> str:
     rows = [*(_stall_rows(r["goodput"]) if "goodput" in r else []),
             *(_heal_rows(r["heal"]) if "heal" in r else []),
             *(_step_rows(r["step"]) if "step" in r else []),
-            *(_goodput_rows(r["goodput"], size) if "goodput" in r else [])]
+            *(_goodput_rows(r["goodput"], size) if "goodput" in r else []),
+            *(_churn_rows(r["churn"]) if "churn" in r else [])]
     kills = r["goodput"]["ft"]["kills"] if "goodput" in r else []
     per_kill = report.table(
         ["kill", "group", "survivors' stall (s)", "went on without it", "its heal (s)",
@@ -270,11 +350,12 @@ def table(size: str = "quick") -> str:
 
 
 def main(argv=None) -> None:
-    """`python -m benchmarks.ft [--size S] [--parts heal,step,goodput] [--duration D --every E]`:
+    """`python -m benchmarks.ft [--size S] [--parts heal,step,goodput,churn] [--duration D
+    --every E]`:
     the table, as markdown, on stdout."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.ft", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
-    p.add_argument("--parts", default=",".join(PARTS), help="which of heal,step,goodput")
+    p.add_argument("--parts", default=",".join(PARTS), help="which of heal,step,goodput,churn")
     p.add_argument("--duration", type=int, help="the goodput runs' window (s)")
     p.add_argument("--every", type=int, help="seconds between kills in the goodput runs")
     args = p.parse_args(argv)

@@ -42,7 +42,10 @@ def test_every_figure_has_a_finite_number(table):
                 f"heal of a {size['heal_params']:,}-parameter state",
                 *(f"step time FT / plain, width {w} ({18 * w + 1:,} params)"
                   for w in size["widths"]),
-                "goodput, FT, kills of a group's worker"]
+                "goodput, FT, kills of a group's worker",
+                "survivors' stall per kill while every group trains (max)",
+                "survivors' stall per kill at another's return (max)",
+                "others' longest step at a group's return (max)"]
     for figure in expected:
         assert figure in by_figure, (figure, list(by_figure))
         value = first_number(by_figure[figure][1])
