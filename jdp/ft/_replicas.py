@@ -185,7 +185,8 @@ class Replicas:
     def batches(self, num_steps: int) -> Iterator:
         """The group's batch of each step until `num_steps` are committed: a quorum before
         each (a heal when this group comes back), and the same batch again after a
-        discarded attempt."""
+        discarded attempt. Before the first quorum the step from `train_step` is compiled on
+        the first batch (`_warm_up`), so the other groups never wait for it."""
         num_steps = _values.integer("jdp.ft.Replicas.batches", "num_steps", num_steps,
                                     minimum=1, fix="the number of steps to commit")
         if self.loader is None:
