@@ -1,0 +1,57 @@
+"""A group compiles its step before its first quorum (`Replicas._warm_up`): after
+`replicas.batches(n)` hands out its first batch (the quorum held), the step's two halves run on
+it without one XLA compilation, so a group that joins a running job keeps nobody waiting in
+the all-reduce while it compiles. Real jitted halves, JAX's own compile events counted."""
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdp.ft import _replicas
+
+COMPILED = "/jax/core/compile/backend_compile_duration"
+EVENTS: list = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, seconds, **kw: EVENTS.append(name) if name == COMPILED else None)
+
+
+def _halves():
+    def gradients(state, batch):
+        loss = lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)   # noqa: E731
+        return jax.grad(loss)(state["w"]), {}, {"loss": loss(state["w"])}
+    update = jax.jit(lambda state, grads, model_state: {"w": state["w"] - 0.1 * grads},
+                     donate_argnums=(0,))
+    return jax.jit(gradients), update
+
+
+def _group(loader, halves):
+    """A Replicas with its step's halves and loader, its quorum recorded, nothing of torchft."""
+    group = object.__new__(_replicas.Replicas)
+    quorums = []
+    group.__dict__.update(
+        _halves=halves, _batch=None, _epochs=None, loader=loader, _fields={}, _ready=False,
+        _state={"w": jnp.zeros((4,))}, _manager=SimpleNamespace(current_step=lambda: 0),
+        _quorum=lambda: quorums.append(len(EVENTS)))
+    return group, quorums
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_first_attempt_after_the_quorum_compiles_nothing(warm):
+    rng = np.random.default_rng(0)
+    loader = [{"x": rng.normal(size=(8, 4)).astype(np.float32), "y": np.float32(i + 1)}
+              for i in range(3)]
+    gradients, update = _halves()
+    group, quorums = _group(loader, (gradients, update) if warm else None)
+    batches = group.batches(2)
+    batch = next(batches)
+    assert batch is loader[0] and len(quorums) == 1   # the first batch, after one quorum
+    grads, model_state, _ = gradients(group._state, batch)   # the attempt, as `_attempt` runs it
+    state = update(group._state, grads, model_state)
+    compiled_after_quorum = len(EVENTS) - quorums[0]
+    assert (compiled_after_quorum == 0) == warm, compiled_after_quorum
+    x = loader[0]["x"].astype(np.float64)   # the gradient of the mean squared error at w = 0
+    want = -0.1 * 2 * x.T @ (x @ np.zeros(4) - 1.0) / 8
+    np.testing.assert_allclose(state["w"], want, atol=1e-6)   # the step's numbers unchanged
+    batches.close()
