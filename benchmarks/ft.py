@@ -175,12 +175,12 @@ def _per_step(job: Job) -> float:
     return statistics.median((b[0] - a[0]) / (b[1] - a[1]) for a, b in pairs)
 
 
-def churn(root: str, size: dict) -> list:
+def churn(root: str, size: dict) -> dict:
     """Kills timed at another group's return, `churn` rounds: kill a random group's worker,
     and the moment its launcher's new worker joins (its join event), kill another group's
-    (one that has made a step since its own start). Each kill's `stalls` row, with "at" the
-    kill's moment ("any", "rejoin")."""
-    rng = random.Random(size.get("seed", 0))
+    (one that has made a step since its own start). {"kills": each kill's `stalls` row, with
+    "at" the kill's moment ("any", "rejoin"); "returns": `returns`' row per return}."""
+    rng = random.Random(0)
     job = ft_job(root, ["examples/fault_tolerant.py", "--steps", "100000000"],
                  2 * size["churn"] + 2)
     kills: list = []
@@ -202,9 +202,10 @@ def churn(root: str, size: dict) -> list:
 
 
 def returns(job: Job, kills: list, window: float = 10.0) -> list:
-    """Per return of a killed group (a join after a kill): the longest gap between the
-    commits of a group that was not restarted in the `window` s after it joined: what the
-    others wait while it heals and starts training again."""
+    """Per return of a killed group (a join after a kill): the longest gap ending in the
+    `window` s after it joined between the commits of a group not restarted around it (the
+    5 s before the join give each gap its start): what the others wait while it heals and
+    starts training again."""
     events = [read(path) for path in job.events]
     joins = [(e["time"], g) for g, ev in enumerate(events) for e in ev
              if e["event"] == "join" and e.get("restart", 0) > 0]
