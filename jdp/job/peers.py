@@ -41,6 +41,7 @@ from jdp.job import run as _run
 GRACE_S = 3.0        # time the main thread gets to fail by itself after a loss is known
 ANSWER_S = 2.0       # the most a question to the peers waits for their answers
 PASS_ON_S = 0.5      # process 0 lingers this long after passing on a verdict
+INTERRUPTED_S = 2.0  # the most an interrupted process 0 waits for the others to leave first
 # TCP keepalive on the connections (idle s, interval s, probes): a node that vanishes without
 # closing them (power loss, a partition) is noticed after about 5 + 2 * 3 = 11 s.
 KEEPALIVE = (5, 2, 3)
@@ -63,6 +64,8 @@ class Peers:
         self.answers: dict[int, dict] = {}
         self.answered = threading.Condition()
         self.waiting: tuple[str, int] | None = None
+        self.closed: set[int] = set()           # peers whose connection has ended
+        self.closing = threading.Condition()
         self._send_lock = threading.Lock()
 
     def watch(self, conns: dict, me: int) -> None:
@@ -73,7 +76,7 @@ class Peers:
         for rank, conn in conns.items():
             conn.settimeout(None)
             _keepalive(conn)
-            threading.Thread(target=_net.receive, args=(conn, events, rank), daemon=True,
+            threading.Thread(target=self._receive, args=(conn, events, rank), daemon=True,
                              name=f"jdp-peer-{rank}").start()
         threading.Thread(target=self._judge, args=(events,), daemon=True,
                          name="jdp-peers").start()
@@ -111,10 +114,33 @@ class Peers:
             self.send(rank, {"finished": self.place().get("step", -1)})
 
     def failing(self, error: BaseException) -> None:
-        """This process ends with `error` (uncaught): tell the peers, so they name it."""
+        """This process ends with `error` (uncaught): tell the peers, so they name it.
+
+        Process 0 ended by Ctrl-C waits up to `INTERRUPTED_S` for the others, which got the
+        same SIGINT, to leave first: the coordination service ends with process 0, and a
+        peer still on its way to its own KeyboardInterrupt would die of that instead (a
+        SIGABRT with a C++ stack in place of its traceback).
+        """
         first = (str(error).strip().splitlines() or [""])[0][:300]
-        for rank in list(self.conns):
+        peers = list(self.conns)
+        for rank in peers:
             self.send(rank, {"failed": f"{type(error).__name__}: {first}"})
+        if self.me == 0 and isinstance(error, KeyboardInterrupt):
+            self._wait_closed(peers, INTERRUPTED_S)
+
+    def _wait_closed(self, ranks: list[int], timeout_s: float) -> None:
+        """Wait up to `timeout_s` until the connections to `ranks` have all ended."""
+        deadline = time.monotonic() + timeout_s
+        with self.closing:
+            while (left := deadline - time.monotonic()) > 0 and not self.closed >= set(ranks):
+                self.closing.wait(left)
+
+    def _receive(self, conn: socket.socket, events: queue.Queue, rank: int) -> None:
+        """Read peer `rank`'s messages into `events` (`_net.receive`); note when it ends."""
+        _net.receive(conn, events, rank)
+        with self.closing:
+            self.closed.add(rank)
+            self.closing.notify_all()
 
     def lost(self, error: BaseException | None = None) -> str | None:
         """The message naming the lost process, or None while none is lost. Given the

@@ -29,6 +29,20 @@ def fail_on_rank(rank: int, bad_rank: int, pid_dir: str) -> None:
     time.sleep(60)
 
 
+def slow_to_interrupt(rank: int, pid_dir: str) -> None:
+    """Wait as `fail_on_rank` does, but rank 1 takes 0.5 s to act on SIGINT (as a loaded
+    machine may): its KeyboardInterrupt must still be its own, not process 0's exit."""
+    import signal
+
+    def late(signum, frame):
+        time.sleep(0.5)
+        raise KeyboardInterrupt
+
+    if rank == 1:
+        signal.signal(signal.SIGINT, late)
+    fail_on_rank(rank, -1, pid_dir)
+
+
 def killed_on_rank(rank: int, bad_rank: int) -> None:
     """Rank `bad_rank` dies by SIGKILL (no Python traceback); the others wait."""
     import signal
