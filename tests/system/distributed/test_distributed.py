@@ -160,7 +160,7 @@ def test_unreachable_coordinator_raises_within_the_init_timeout(tmp_path):
     assert "could not reach the coordinator" in done.stdout
     waited = float(done.stdout.split("after ", 1)[1].split(" s", 1)[0])
     print(f"unreachable coordinator: TimeoutError after {waited:.2f} s (timeout 2 s)")
-    assert 1.5 < waited < 2 + 3
+    assert 1.5 < waited < 2 + 10   # not JAX's own minutes; a loaded machine adds seconds
 
 
 RAISING_RANK = """
