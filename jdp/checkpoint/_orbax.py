@@ -129,11 +129,11 @@ def values(restored: Any, found: list) -> list:
 def _target(leaf: Any) -> tuple[Any, ocp.RestoreArgs]:
     if isinstance(leaf.leaf, np.ndarray):
         # A zero-byte view of the right shape and dtype: orbax reads it as "numpy, please".
-        return (np.broadcast_to(np.empty((), leaf.dtype), leaf.physical),
+        return (np.broadcast_to(np.empty((), leaf.dtype), leaf.shape),
                 ocp.RestoreArgs(restore_type=np.ndarray))
     sharding = leaf.leaf.sharding
-    return (jax.ShapeDtypeStruct(leaf.physical, leaf.dtype, sharding=sharding),
-            ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.physical, strict=False))
+    return (jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.shape, strict=False))
 
 
 def complete_steps(root: epath.Path) -> list[int]:

@@ -1,9 +1,9 @@
-"""A train state as a checkpoint sees it: its array leaves, each with a name and a logical shape.
+"""A train state as a checkpoint sees it: its array leaves, each with a name and a shape.
 
-ZeRO and FSDP store leaves padded on one axis to a multiple of the device count.
-The checkpoint records the logical shape; orbax writes the padded shards as they are and cuts or
-zero-fills the padding to the target's shape at restore: 8 devices sharded -> 2 unsharded works,
-for a whole state and for FSDP's parameters in any subtree (`state.params`).
+ZeRO and FSDP keep every leaf in its own shape (split, never padded), so a checkpoint holds the
+same arrays whatever the layout and device count: 8 devices sharded -> 2 unsharded works. A
+checkpoint written by jdp 0.7 or earlier holds some leaves padded on one axis; orbax cuts them
+to the template's shape at restore (`strict=False`), and a host template's value is cut here.
 """
 from __future__ import annotations
 
@@ -13,16 +13,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jdp.core import is_sharded, logical_opt_state
 from jdp.core import prng_keys as typed_keys
 
 
 class Leaf(NamedTuple):
-    """One array leaf: `shape` is logical (recorded, compared), `physical` as stored here."""
+    """One array leaf: its keys in the saved nested dict, the template's leaf, shape, dtype."""
     keys: tuple[str, ...]
     leaf: Any
     shape: tuple[int, ...]
-    physical: tuple[int, ...]
     dtype: np.dtype
 
     @property
@@ -39,9 +37,7 @@ def leaves(state: Any, where: str) -> list[Leaf]:
         raise ValueError(f"{where}: the state {type(state).__name__} has no array leaves, so "
                          "there is nothing to checkpoint; pass the train state (from "
                          "jdp.broadcast or jdp.pmap.replicate)")
-    logical = _padded_optimizer_leaves(state)
-    out = [Leaf(_keys(p), x, logical.get(_keys(p), x.shape), x.shape, np.dtype(x.dtype))
-           for p, x in found]
+    out = [Leaf(_keys(p), x, tuple(x.shape), np.dtype(x.dtype)) for p, x in found]
     names = [leaf.name for leaf in out]
     if len(set(names)) != len(names):
         twin = next(n for n in names if names.count(n) > 1)
@@ -65,10 +61,8 @@ def _array(x: Any, path: Any, where: str) -> jax.Array | np.ndarray:
 
 
 def _flat(state: Any) -> list:
-    """(path, array) pairs in `jax.tree.leaves` order; an FSDP parameter (`Sharded`) is named
-    by its parameter's path, so every layout of a state has the same names."""
-    return [(p, x.value if is_sharded(x) else x) for p, x in
-            jax.tree_util.tree_flatten_with_path(state, is_leaf=is_sharded)[0]]
+    """(path, leaf) pairs in `jax.tree.leaves` order."""
+    return jax.tree_util.tree_flatten_with_path(state)[0]
 
 
 def _keys(path: Any) -> tuple[str, ...]:
@@ -76,35 +70,12 @@ def _keys(path: Any) -> tuple[str, ...]:
     return tuple(jax.tree_util.keystr((k,), simple=True) for k in path) or ("value",)
 
 
-def _padded_optimizer_leaves(state: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{keys: logical shape} of leaves stored padded on one axis: FSDP's parameters (`Sharded`,
-    wherever they sit: a whole state, `state.params` or any subtree) and ZeRO's and FSDP's
-    optimizer state (`tx.init(params)`'s shapes, known from a whole train state)."""
-    out = {_keys(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(
-        state, is_leaf=is_sharded)[0] if is_sharded(x)}
-    try:
-        opt_state, logical = state.opt_state, logical_opt_state(state)
-    except Exception:  # noqa: BLE001 - not an optax train state we understand: no more padding
-        return out
-    if jax.tree.structure(logical) != jax.tree.structure(opt_state):
-        return out
-    stored = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-    for (path, x), want in zip(stored, jax.tree.leaves(logical), strict=True):
-        shape = tuple(want.shape)
-        if shape and x.shape != shape and len(x.shape) == len(shape) and all(
-                h >= w for h, w in zip(x.shape, shape, strict=True)):
-            out[_keys((jax.tree_util.GetAttrKey("opt_state"), *path))] = shape
-    return out
-
-
 def restored(leaf: Leaf, value: Any) -> Any:
-    """A restored value as the template leaf holds it (numpy: with the template's padding)."""
+    """A restored value as the template leaf holds it (numpy: cut to its shape, as a
+    checkpoint of jdp 0.7 or earlier may hold it padded)."""
     if not isinstance(leaf.leaf, np.ndarray):
         return value
-    value = np.asarray(value)[tuple(slice(0, n) for n in leaf.shape)]
-    if leaf.shape == leaf.physical:
-        return value
-    return np.pad(value, [(0, p - n) for p, n in zip(leaf.physical, leaf.shape, strict=True)])
+    return np.asarray(value)[tuple(slice(0, n) for n in leaf.shape)]
 
 
 def rebuild(state: Any, values: list) -> Any:

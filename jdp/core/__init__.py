@@ -33,12 +33,11 @@ from jdp.core._step import (
     split_train_step,
     train_step,
 )
-from jdp.core._zero import is_sharded, logical_opt_state
 
 __all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "layer", "layer_policy", "mesh",
            "reduce_gradients", "shard", "train_step", "unshard",
            # for jdp's other packages
            "StepWindow", "batch_leaves", "batch_sharded", "bool_options", "device_eval_step",
-           "device_train_step", "divisible_rows", "is_sharded", "layouts", "leaf_name",
-           "logical_opt_state", "make_step", "not_donated", "one_size", "place", "replicated",
+           "device_train_step", "divisible_rows", "layouts", "leaf_name",
+           "make_step", "not_donated", "one_size", "place", "replicated",
            "split_train_step", "stop_values", "train_options", "trainable"]

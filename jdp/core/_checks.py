@@ -98,30 +98,14 @@ def same_model_state(new_ms: Any, field: str) -> None:
                                        "collective over jdp.AXIS, so it may vary by device")
 
 
-def own_step_opt_state(state: Any) -> None:
-    """Refuse `state.apply_gradients` in the user's own step when the optimizer state is in
-    ZeRO's stored form (padded to the device count: its shapes are not the ones `tx.init`
-    gives); checked on shapes only, so once per trace inside `jax.jit`."""
-    if any(_zero.is_sharded(p) for p in jax.tree.leaves(state.params, is_leaf=_zero.is_sharded)):
-        return   # FSDP: its parameters name what to do when the step uses them
-    want = [x.shape for x in jax.tree.leaves(jax.eval_shape(state.tx.init, state.params))]
-    have = [jnp.shape(x) for x in jax.tree.leaves(state.opt_state)]
-    if len(want) == len(have) and want != have:
-        raise ValueError(
-            "apply_gradients: the optimizer state is stored split and padded over the devices "
-            "(jdp.broadcast(state, shard_optimizer=True)), so optax cannot update it in your "
-            "own step; train with jdp.train_step(loss_fn, shard_optimizer=True), or take "
-            "jdp.unshard(state) first")
-
-
 def trainable(params: Any) -> None:
     """The parameters the gradient is taken of: at least one leaf, every leaf floating."""
-    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_zero.is_sharded)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError("the train state's params are empty ({} or None): the loss has nothing "
                          "to train; pass the model's parameters to TrainState.create(params=...)")
     for path, x in leaves:
-        dtype = (x.value if _zero.is_sharded(x) else x).dtype
+        dtype = x.dtype
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"parameter leaf {leaf_name(path)} has dtype {dtype}: jdp takes the "
                              "gradient of every parameter, so they must be floating; keep "
@@ -154,7 +138,7 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
     """Every leaf of the state is a global array on `jdp.mesh()`: replicated, except what
     `jdp.broadcast` shards along `jdp.AXIS` (the optimizer state under ZeRO, the parameters too
     under FSDP). `shard_optimizer=None` (an evaluation) takes every form."""
-    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_zero.is_sharded)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     if not leaves:
         raise ValueError(f"state {type(state).__name__} has no array leaves: pass the train "
                          "state, placed with jdp.broadcast(state)")
@@ -163,39 +147,58 @@ def placed_state(state: Any, shard_optimizer: bool | None, shard_params: bool = 
                          "jdp.mesh(): place the state with jdp.broadcast(state) (it is in the "
                          "pmap form, placed by jdp.pmap: jdp.pmap.unreplicate it first), or keep "
                          "the form and use jdp.pmap.train_step")
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    for path, x in leaves:
         if not (isinstance(x, jax.Array) and x.sharding.device_set == _mesh_devices()):
             raise ValueError(
                 f"state leaf {leaf_name(path)} is {_where(x)}, not a global array on jdp.mesh(): "
                 "place the state with jdp.broadcast(state) (a state from jdp.replicate, the "
                 "pmap form, goes with jdp.pmap.train_step)")
+    params = getattr(state, "params", None)
     opt = getattr(state, "opt_state", None)
-    opt_leaves = jax.tree.leaves(opt)
+    stored = {id(x) for x in jax.tree.leaves((params, opt))}
     for path, x in leaves:
-        whole = not _zero.is_sharded(x) and not any(x is y for y in opt_leaves)
-        if whole and not x.sharding.is_fully_replicated:
+        if id(x) not in stored and not x.sharding.is_fully_replicated:
             raise ValueError(f"state leaf {leaf_name(path)} is not replicated on jdp.mesh(): place "
                              "the state with jdp.broadcast(state) (a state from jdp.replicate, "
                              "the pmap form, goes with jdp.pmap.train_step)")
     if shard_optimizer is None:
         return
-    trainable(getattr(state, "params", None))
-    fsdp = any(_zero.is_sharded(x) for _, x in leaves)
-    have = _zero.params_group(getattr(state, "params", None)) if fsdp else None
-    if fsdp and shard_params:
+    trainable(params)
+    _params_as_stored(params, shard_params)
+    _opt_as_stored(opt, shard_optimizer, shard_params)
+
+
+def _params_as_stored(params: Any, shard_params: Any) -> None:
+    """The parameters are placed as the step's `shard_params` stores them: split by the
+    rule over all devices or within groups (`jdp.broadcast(state, shard_params=...)`), or
+    replicated."""
+    group = _zero.group_size(shard_params) if shard_params else None
+    have = _zero.params_group(params)
+    if shard_params and any(_split(x) for x in jax.tree.leaves(params)):
         _same_groups(shard_params, have)
-    if bool(shard_params) != fsdp:
-        raise ValueError(f"shard_params={shard_params!r}: the parameters are not sharded; place "
-                         f"the state with jdp.broadcast(state, shard_params={shard_params!r})"
-                         if shard_params else "the parameters are sharded (jdp.broadcast(state, "
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        want = _zero.stored_sharding(x, group) if shard_params else _mesh.replicated()
+        if x.sharding.is_equivalent_to(want, x.ndim):
+            continue
+        if shard_params:
+            raise ValueError(f"shard_params={shard_params!r}: the parameters are not sharded "
+                             f"as the step stores them ({leaf_name(path)} is not); place the "
+                             f"state with jdp.broadcast(state, shard_params={shard_params!r})")
+        raise ValueError(f"the parameters are sharded ({leaf_name(path)}: jdp.broadcast(state, "
                          f"shard_params={have or True!r})): pass shard_params={have or True!r} "
                          "to the step too")
-    zero = [_row_sharded(x) for x in opt_leaves if _zero.opt_axis(x, False) is not None]
-    if (shard_optimizer or shard_params) and not all(zero):
+
+
+def _opt_as_stored(opt: Any, shard_optimizer: bool, shard_params: Any) -> None:
+    """The optimizer state is split (ZeRO, FSDP) exactly when the step's options say so."""
+    n = _zero.ways(_zero.group_size(shard_params) if shard_params else None)
+    splittable = [x for x in jax.tree.leaves(opt) if _zero.opt_axis(x, n) is not None]
+    split = [_split(x) for x in splittable]
+    if (shard_optimizer or shard_params) and not all(split):
         option = f"shard_params={shard_params!r}" if shard_params else "shard_optimizer=True"
         raise ValueError(f"{option}: the optimizer state is not sharded; place the state with "
                          f"jdp.broadcast(state, {option})")
-    if not (shard_optimizer or shard_params) and any(zero):
+    if not (shard_optimizer or shard_params) and any(split):
         raise ValueError("the optimizer state is sharded (jdp.broadcast(state, "
                          "shard_optimizer=True)): pass shard_optimizer=True to the step too")
 
@@ -207,9 +210,8 @@ def dtype_option(option: str, dtype: Any) -> None:
                          "or None")
 
 
-def _row_sharded(x: jax.Array) -> bool:
-    """Split along `jdp.AXIS` on some axis (ZeRO: the leading one; FSDP: the parameter's), or
-    within groups of devices (HSDP)."""
+def _split(x: jax.Array) -> bool:
+    """Split along `jdp.AXIS` on some axis, or within groups of devices (HSDP)."""
     spec = tuple(getattr(x.sharding, "spec", ()))
     return _mesh.AXIS in spec or _mesh.SHARD in spec
 

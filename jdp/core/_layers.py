@@ -263,9 +263,8 @@ def _carrying(cotangents: Any, reduced: list) -> Any:
 
 
 def _split(x: jax.Array, where: _Gathering) -> jax.Array:
-    """`x` split as FSDP stores a parameter of its shape (`_zero.shard_axis`)."""
-    return lax.with_sharding_constraint(x, _zero.split_on(_zero.shard_axis(x.shape),
-                                                          where.group))
+    """`x` split as FSDP stores a parameter of its shape (`_zero.stored_sharding`)."""
+    return lax.with_sharding_constraint(x, _zero.stored_sharding(x, where.group))
 
 
 def is_given(params: Any) -> bool:

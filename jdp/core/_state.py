@@ -46,13 +46,6 @@ class TrainState(train_state.TrainState):
         return super().create(apply_fn=apply_fn, params=params, tx=tx,
                               model_state=model_state, **kwargs)
 
-    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
-        """flax's `apply_gradients`, for your own step on a replicated state; on a state whose
-        optimizer state `jdp.broadcast(..., shard_optimizer=True)` stored split and padded, a
-        one-line error naming `jdp.train_step` instead of a shape error inside optax."""
-        _checks.own_step_opt_state(self)
-        return super().apply_gradients(grads=grads, **kwargs)
-
 
 def broadcast(tree: Any, *, shard_optimizer: bool = False,
               shard_params: bool | int | str = False) -> Any:
@@ -65,21 +58,22 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False,
 
     Args:
         tree: a pytree of arrays (a TrainState, params, ...), one copy.
-        shard_optimizer: ZeRO-1/2: place the optimiser state (`tree.opt_state`) sharded along
-            `jdp.AXIS` instead, each device holding 1/N of it (leaves padded on their leading
-            axis to a multiple of N; scalars and non-float leaves
-            such as a PRNG key replicated); it never exists whole on a device.
+        shard_optimizer: ZeRO-1/2: place the optimiser state (`tree.opt_state`) split along
+            `jdp.AXIS` instead, each device holding 1/N of each leaf on the largest axis N
+            divides (leaves with none, scalars and non-float leaves such as a PRNG key stay
+            whole); it never exists whole on a device.
             Use it with `jdp.train_step(..., shard_optimizer=True)`.
-        shard_params: FSDP / ZeRO-3: the parameters sharded too (and the optimizer state):
-            each parameter leaf with an axis becomes a `Sharded` node that reports the model's
-            shape and dtype and holds 1/N of it per device, split (padded) on one axis: not
-            the leading axis of a stacked leaf of 3 or more dimensions, so a scanned model is
-            gathered one layer at a time; its optimizer state is split the same way. Use it
-            with `jdp.train_step(..., shard_params=True)`; `jdp.unshard(state)` gives plain
-            replicated arrays in the model's own shapes. HSDP: an int k splits within groups
-            of k consecutive devices and replicates across the groups; "node" within each
-            node's devices (this process's devices x the processes per node, as the
-            engine says: `jdp.distributed.processes_per_node`); the step takes the same value.
+        shard_params: FSDP / ZeRO-3: the parameters split the same way (and the optimizer
+            state): each stays a `jax.Array` of the model's own shape and dtype, 1/N of it per
+            device, so any JAX, flax, optax or orbax function works on it (a function outside
+            the step that uses a whole parameter gathers it there). A stacked leaf of 3 or
+            more dimensions is not split on its leading axis, so a scanned model is gathered
+            one layer at a time. Use it with `jdp.train_step(..., shard_params=True)`;
+            `jdp.unshard(state)` gives every leaf whole and replicated. HSDP: an int k splits
+            within groups of k consecutive devices and replicates across the groups; "node"
+            within each node's devices (this process's devices x the processes per node, as
+            the engine says: `jdp.distributed.processes_per_node`); the step takes the same
+            value.
 
     Returns:
         The same structure with global `jax.Array` leaves.
@@ -114,12 +108,10 @@ def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
         raise TypeError(f"jdp.broadcast({option}): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
     group = _zero.group_size(shard_params) if shard_params else None
-    placed = placed.replace(opt_state=jax.tree.map(
-        lambda x: _mesh.place(*_zero.sharded_host(x, bool(shard_params), group)),
-        host.opt_state))
+    placed = placed.replace(opt_state=_zero.place_split(host.opt_state, group))
     if not shard_params:
         return placed
-    return placed.replace(params=_zero.shard_params_host(host.params, group))
+    return placed.replace(params=_zero.place_split(host.params, group))
 
 
 def shard(rows: Any, *, layout: str = "global") -> Any:
@@ -185,17 +177,12 @@ def divisible_rows(rows: Any, who: str) -> Any:
 def unshard(tree: Any) -> Any:
     """`tree` with every leaf whole and replicated on `jdp.mesh()`, in the model's shapes.
 
-    A ZeRO or FSDP train state (`broadcast(state, shard_optimizer=True)` or `shard_params=True`)
-    gets its parameters and optimizer state back unpadded; any other tree (`state.params`, a
-    dict of its leaves) gets its sharded parameters (`Sharded` leaves) back as plain arrays.
-    What is stored plainly comes back as it is. For export and inspection: a collective, so
-    every process calls it; it is announced first, so a process that skips it is named on
-    every process within seconds.
-
-    Raises:
-        ValueError: `tree` holds optimizer-state leaves stored split (padded) without their
-            train state (e.g. `unshard(state.opt_state)`), whose model shapes only the state
-            knows: pass the state, `jdp.unshard(state).opt_state`.
+    Every leaf stored split (ZeRO's optimizer state, FSDP's parameters and theirs, any
+    subtree of them: they keep the model's shapes) is gathered; the rest comes back as it is.
+    For export, and for a host that wants every value in its own memory: arrays split over
+    several processes cannot be read whole on one (`np.asarray`) until gathered. A
+    collective, so every process calls it; it is announced first, so a process that skips it
+    is named on every process within seconds.
 
     Example:
         >>> import jdp, optax
@@ -213,16 +200,7 @@ def unshard(tree: Any) -> Any:
                          "whose leaves are whole already: jdp.pmap.unreplicate(state) gives "
                          "one copy")
     _announce_unshard(tree)
-    if getattr(tree, "tx", None) is None or getattr(tree, "opt_state", None) is None:
-        return _unsharded_params(tree)
-    logical = _zero.logical_opt_state(tree)
-    opt_state, params = tree.opt_state, tree.params
-    fsdp = any(_zero.is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_zero.is_sharded))
-    split = fsdp or any(_split(x) for x in jax.tree.leaves(opt_state))
-    if not (split and _zero.is_stored(opt_state, logical, _zero.params_group(params))):
-        return _unsharded_params(tree, refuse_split=False)   # e.g. split by the user's own jit
-    return tree.replace(params=_unsharded_params(params),
-                        opt_state=_zero.gathered(opt_state, logical))
+    return _whole(tree)
 
 
 def _announce_unshard(tree: Any) -> None:
@@ -232,7 +210,7 @@ def _announce_unshard(tree: Any) -> None:
     if jax.process_count() == 1:
         return
     require_job("jdp.unshard")
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_zero.is_sharded)[0]
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     facts = [(jax.tree_util.keystr(path) or "<root>",
               f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
              for path, x in flat]
@@ -241,21 +219,16 @@ def _announce_unshard(tree: Any) -> None:
 
 
 def _split(x: Any) -> bool:
-    return not getattr(x, "sharding", _mesh.replicated()).is_fully_replicated
+    return isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
 
 
-def _unsharded_params(tree: Any, refuse_split: bool = True) -> Any:
-    """`tree` with its `Sharded` leaves whole and replicated; refused (`refuse_split`) when
-    another leaf is stored split (an optimizer state's, padded to a size that only the train
-    state knows)."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_zero.is_sharded)[0]
-    for path, x in flat if refuse_split else ():
-        if not _zero.is_sharded(x) and _split(x):
-            raise ValueError(
-                f"jdp.unshard: leaf {jax.tree_util.keystr(path) or '<root>'} of shape "
-                f"{x.shape} is stored split along jdp.AXIS (an optimizer state under "
-                "shard_optimizer or shard_params, padded), and only its train state knows "
-                "its model shape: pass the state, e.g. jdp.unshard(state).opt_state")
-    if not any(_zero.is_sharded(x) for _, x in flat):
+def _whole(tree: Any) -> Any:
+    """`tree` with its split leaves gathered whole and replicated; the rest as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [i for i, x in enumerate(leaves) if _split(x)]
+    if not split:
         return tree
-    return jax.jit(_zero.logical, out_shardings=_mesh.replicated())(tree)
+    gathered = jax.jit(lambda xs: xs, out_shardings=_mesh.replicated())([leaves[i] for i in split])
+    for i, x in zip(split, gathered, strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)

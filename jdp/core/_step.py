@@ -165,7 +165,7 @@ def group_gradients(state, batch, stop, *, options: StepOptions):
     """
     o = options
     mean, comm_dtype, sharded = o.mean, o.comm_dtype, o.shard_optimizer or o.shard_params
-    master = _zero.logical_shapes(state.params)
+    master = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), state.params)
     if o.cast_batch:
         batch = _zero.cast(batch, o.compute_dtype)
     if o.shard_params:
@@ -196,7 +196,8 @@ def apply_update(state, grads, new_ms, *, options: StepOptions):
     `shard_optimizer` or `shard_params`, partitioned over the devices (`jdp/core/_zero.py`),
     and the new model state (BatchNorm statistics) put in its field."""
     if options.shard_optimizer or options.shard_params:
-        state = _zero.apply(state, grads, options.comm_dtype)
+        group = _zero.group_size(options.shard_params) if options.shard_params else None
+        state = _zero.apply(state, grads, options.comm_dtype, bool(options.shard_params), group)
     else:
         state = state.apply_gradients(grads=grads)
     field = _grads.model_state_field(state)
@@ -207,10 +208,10 @@ def _fsdp_gradients(state, batch, stop, options: StepOptions):
     """FSDP's gradients, all at jit level: the devices' losses under `jax.vmap` over the
     stored (split) parameters, so the compiler gathers each layer where it is used
     (`_grads.mapped_grads`); they come back split as the parameters are."""
-    params, group = _zero.logical(state.params), _zero.params_group(state.params)
+    params, group = state.params, _zero.group_size(options.shard_params)
     grads, new_ms, metrics = _grads.mapped_grads(
-        state.replace(params=params), batch, stop, mean=options.mean, group=group,
-        split_axes=_zero.split_axes(state.params), comm_dtype=options.comm_dtype,
+        state, batch, stop, mean=options.mean, group=group,
+        split_axes=_zero.split_axes(params, group), comm_dtype=options.comm_dtype,
         compute_dtype=options.compute_dtype, **options.loss_options())
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     # The model state (BatchNorm statistics) is one copy, replicated as the state came in
@@ -434,8 +435,6 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
     per_device = functools.partial(device_eval_step, metric_fn=_noting(metric_fn, tree))
 
     def body(state, batch, stop):
-        if hasattr(state, "params"):  # sharded parameters (FSDP) in the model's own shapes
-            state = state.replace(params=_zero.logical(state.params))
         totals = jax.shard_map(per_device, mesh=_mesh.mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
                                out_specs=P())(state, batch, stop)
         agree_once(agreed, "eval-metrics", tree[0], who, "every process's metric_fn must "

@@ -14,8 +14,9 @@ import jdp
 from jdp.checkpoint import Checkpointer
 
 N = jax.local_device_count()
-# Leaves of up to N rows are padded to exactly N under FSDP/ZeRO, the shape of a stacked tree;
-# a tree of those alone is what used to be taken for the pmap form and cut to one row.
+# Leaves of every row count from 1 to 2N, N rows among them (split one row per device under
+# FSDP/ZeRO: the shape of a stacked tree); jdp 0.6 padded those of up to N rows to N, and a
+# tree of those alone was taken for the pmap form and cut to one row.
 GROUPS = {"1..N": range(1, N + 1), "N+1..2N": range(N + 1, 2 * N + 1)}
 
 
@@ -30,19 +31,13 @@ def zeros(group):
 
 
 def fsdp(tree):
-    """A state whose parameters are sharded (FSDP): leaves of <= N rows padded to N rows."""
+    """A state whose parameters are sharded (FSDP)."""
     state = jdp.TrainState.create(apply_fn=None, params=tree, tx=optax.sgd(0.1))
     return jdp.broadcast(state, shard_params=True)
 
 
 def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
-
-
-def logical(params):
-    """The parameters' own values: an FSDP leaf's padded value cut to the model's shape."""
-    return {k: np.asarray(v.value)[tuple(slice(0, n) for n in v.shape)]
-            for k, v in params.items()}
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -53,7 +48,7 @@ def test_fsdp_params_of_every_size_save_and_restore_every_row(tmp_path, group):
     ckpt = Checkpointer(tmp_path)
     ckpt.save(1, params)
     restored = ckpt.restore(fsdp(zeros(group)).params)
-    got = logical(restored)
+    got = host(restored)
     for name, want in values(group).items():
         np.testing.assert_array_equal(got[name], want, err_msg=name)
 
@@ -71,8 +66,8 @@ def test_a_whole_fsdp_state_of_every_size_restores_into_a_replicated_one(tmp_pat
 
 
 def zero(trace):
-    """A ZeRO state (shard_optimizer) whose momentum is `trace`: its leaves of <= N rows are
-    padded to N rows and split one row per device, the shape of a stacked leaf."""
+    """A ZeRO state (shard_optimizer) whose momentum is `trace`: its leaf of N rows is split
+    one row per device, the shape of a stacked leaf."""
     tx = optax.sgd(0.1, momentum=0.9)
     params = {k: np.zeros_like(v) for k, v in trace.items()}
     state = jdp.TrainState.create(apply_fn=None, params=params, tx=tx)
@@ -125,7 +120,7 @@ def test_unreplicate_returns_global_trees_of_every_size_unchanged(group):
 @pytest.mark.parametrize("group", GROUPS)
 def test_unreplicate_leaves_fsdp_parameters_whole(group):
     params = fsdp(values(group)).params
-    got = logical(jdp.pmap.unreplicate(params))
+    got = host(jdp.pmap.unreplicate(params))
     for name, want in values(group).items():
         np.testing.assert_array_equal(got[name], want, err_msg=name)
 

@@ -13,7 +13,8 @@ import jdp
 
 
 def odd_params(seed=0):
-    """Leaves whose leading axis does not divide 8 (5, 16 rows padded to 8k), and a scalar."""
+    """Leaves split on an axis that is not the leading one (w1 (5, 16)), kept whole (w2 (16, 1)
+    splits on its rows; nothing of a 5 or 1 divides 8), and a scalar."""
     rng = np.random.default_rng(seed)
     return {"w1": jnp.asarray(rng.normal(size=(5, 16)), jnp.float32) * 0.5,
             "b1": jnp.zeros(16, jnp.float32),
@@ -72,8 +73,8 @@ def test_global_norm_clipping_sees_the_norm_over_all_shards():
 def test_optimizer_state_is_sharded_one_nth_per_device():
     state, _ = zero_steps(optax.adam(1e-2), [data(N * 2)])
     mu = state.opt_state[0].mu["w1"]
-    assert mu.shape == (8, 16)  # 5 rows padded to 8
-    assert {s.data.shape for s in mu.addressable_shards} == {(1, 16)}
+    assert mu.shape == (5, 16)  # the model's shape, split on the axis 8 divides
+    assert {s.data.shape for s in mu.addressable_shards} == {(5, 2)}
     assert state.opt_state[0].count.sharding.is_fully_replicated
     assert state.params["w1"].sharding.is_fully_replicated
 

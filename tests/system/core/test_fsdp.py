@@ -19,11 +19,11 @@ OPTIMIZERS = ["sgd_momentum", "adam", "adamw_masked", "clip_adam"]
 COMMON = """
 import jax, jax.numpy as jnp, numpy as np, optax
 
-def params0():  # 5 and 6 rows: 6 devices divide neither 5 nor 16 nor 1
+def params0():  # 24 divides over 3, 4, 6, 8 and 12 devices; 5 and 1 do not: kept whole
     rng = np.random.default_rng(0)
-    return {"w1": rng.normal(size=(5, 16)).astype(np.float32) * 0.5,
-            "b1": np.zeros(16, np.float32),
-            "w2": rng.normal(size=(16, 1)).astype(np.float32) * 0.5,
+    return {"w1": rng.normal(size=(5, 24)).astype(np.float32) * 0.5,
+            "b1": np.zeros(24, np.float32),
+            "w2": rng.normal(size=(24, 1)).astype(np.float32) * 0.5,
             "scale": np.float32(1.0)}
 
 def mse(params, batch):
@@ -94,19 +94,16 @@ for name in sys.argv[2].split(","):
     for b in batches(jax.device_count() * 4):
         state, _ = step(state, jdp.shard(b))
     out[name] = {k: np.asarray(v).tolist() for k, v in jdp.unshard(state).params.items()}
-    out[name + "_rows"] = [int(x.value.addressable_shards[0].data.shape[x.axis])
-                           for x in jax.tree.leaves(state.params,
-                                                    is_leaf=lambda x: hasattr(x, "axis"))
-                           if hasattr(x, "axis")]
+    out[name + "_shards"] = {k: list(x.addressable_shards[0].data.shape)
+                             for k, x in state.params.items()}
 open(sys.argv[1], "w").write(__import__("json").dumps(out))
 """
 
 
-@pytest.mark.parametrize("shard, rows", [(True, 3), (3, 6)], ids=["fsdp", "hsdp3"])
-def test_three_steps_on_6_devices_pad_what_6_does_not_divide_and_stay_exact(tmp_path, shard,
-                                                                           rows):
-    """FSDP over 6 devices, and HSDP in 2 groups of 3: b1 16 -> 18 rows, w1 16 -> 18 columns
-    (its larger axis), w2 16 -> 18 rows, 18/6 or 18/3 per device."""
+@pytest.mark.parametrize("shard, k", [(True, 6), (3, 3)], ids=["fsdp", "hsdp3"])
+def test_three_steps_on_6_devices_split_the_24s_and_stay_exact(tmp_path, shard, k):
+    """FSDP over 6 devices, and HSDP in 2 groups of 3: w1 (5, 24) split on its columns, b1 and
+    w2's 24 rows split, 24/6 or 24/3 per device; the axes of 5 and 1 are not split."""
     script = write_script(tmp_path, "six.py", SIX)
     out = tmp_path / "out.json"
     res = run_python([script, out, ",".join(OPTIMIZERS), str(shard)], env=child_env(devices=6),
@@ -115,19 +112,20 @@ def test_three_steps_on_6_devices_pad_what_6_does_not_divide_and_stay_exact(tmp_
     got = json.loads(out.read_text())
     for name in OPTIMIZERS:
         assert_params_close(got[name], single_device(optimizer(name), batches(6 * 4)))
-        assert got[name + "_rows"] == [rows] * 3
+        assert got[name + "_shards"] == {"w1": [5, 24 // k], "b1": [24 // k],
+                                         "w2": [24 // k, 1], "scale": []}
 
 
 def test_parameters_and_optimizer_state_are_one_nth_per_device_at_rest():
     state = fsdp_state(optax.adam(1e-2))
     stored = jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)
     for x in stored:
-        if x.ndim:  # split N ways on one axis (the padded one)
+        if x.ndim:  # split N ways on one axis, in the model's own shape
             assert x.addressable_shards[0].data.size * N == x.size, x.shape
             assert len({str(s.index) for s in x.addressable_shards}) == N
     whole = sum(np.asarray(v).size for v in jax.tree.leaves(params0()))
     per_device = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(state.params))
-    assert per_device <= whole / N + 2 * 3 + 1  # padding rows of 3 leaves, the scalar
+    assert per_device == (whole - 1) / N + 1  # all but the scalar
 
 
 def test_batchnorm_accumulation_aux_and_dropout_rng_match_the_replicated_step():

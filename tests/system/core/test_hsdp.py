@@ -153,7 +153,9 @@ def test_a_checkpoint_saved_under_hsdp_restores_under_fsdp_replicated_and_back(t
         for g, w in zip(jax.tree.leaves((got.params, got.opt_state)),
                         jax.tree.leaves((want.params, want.opt_state)), strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    assert state.params["w"].group == K and state.params["w"].value.shape == (L, 20, 20)
+    w = state.params["w"]   # split on a layer's rows within groups of K, as placed
+    assert w.shape == (L, 20, 20) and w.sharding.mesh.shape["jdp_shard"] == K
+    assert w.addressable_shards[0].data.shape == (L, 20 // K, 20)
 
 
 NODES = """
@@ -168,8 +170,10 @@ loss = lambda p, b: jnp.mean((scanned(p, b["x"]) - b["y"]) ** 2)
 tx = optax.sgd(0.05, momentum=0.9)
 state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(4, 64), tx=tx),
                       shard_params=shard)
-node = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(4, 64), tx=tx),
-                     shard_params="node").params["w"].group   # None: the node is every device
+def group(x):   # the devices one copy is split over (None: all of them, no groups)
+    return dict(x.sharding.mesh.shape).get("jdp_shard")
+node = group(jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=stacked(4, 64), tx=tx),
+                           shard_params="node").params["w"])   # None: the node is every device
 step = jdp.train_step(loss, shard_params=shard)
 per = 32 // jax.process_count()
 mine = slice(jax.process_index() * per, (jax.process_index() + 1) * per)
@@ -182,7 +186,7 @@ np.savez(f"{out}/rank{jax.process_index()}.npz", **{k: np.asarray(v) for k, v in
                                                     full.params.items()})
 if jax.process_index() == 0:
     open(f"{out}/step.hlo", "w").write(text)
-    open(f"{out}/group.json", "w").write(json.dumps(state.params["w"].group))
+    open(f"{out}/group.json", "w").write(json.dumps(group(state.params["w"])))
     open(f"{out}/node.json", "w").write(json.dumps(node))
 """
 

@@ -1,7 +1,8 @@
 """Across processes (2 ranks x 2 devices under `python -m jdp.launch`, and mpirun): a global
 array assembled from per-process pieces (jdp.shard, the Loader) agrees on shape and dtype, once
-per new signature, named on every rank in seconds; typed keys and padded FSDP leaves cross
-processes intact (the single-process cases are in test_misuse_forms and test_misuse_nnx)."""
+per new signature, named on every rank in seconds; typed keys and FSDP leaves split over
+processes cross processes intact (the single-process cases are in test_misuse_forms and
+test_misuse_nnx)."""
 import re
 import subprocess
 
@@ -53,14 +54,15 @@ def shard_repeatedly():
 
 
 def fsdp_checkpoint():
-    state = jdp.TrainState.create(apply_fn=None, params={"w": np.array([[2.0], [3.0]])},
-                                  tx=optax.sgd(0.1))
+    rows = np.arange(2.0, 2.0 + jax.device_count())[:, None]   # one row per device
+    state = jdp.TrainState.create(apply_fn=None, params={"w": rows}, tx=optax.sgd(0.1))
     ckpt = jdp.checkpoint.Checkpointer(sys.argv[1])
     ckpt.save(1, jdp.broadcast(state, shard_params=True).params)
-    template = jdp.broadcast(state.replace(params={"w": np.zeros((2, 1))}), shard_params=True)
+    template = jdp.broadcast(state.replace(params={"w": np.zeros_like(rows)}), shard_params=True)
     back = ckpt.restore(template.params)["w"]
-    whole = multihost_utils.process_allgather(back.value, tiled=True)   # every row, here
-    return np.asarray(whole)[tuple(slice(0, n) for n in back.shape)].ravel().tolist()
+    assert not back.is_fully_addressable   # split across the processes
+    whole = multihost_utils.process_allgather(back, tiled=True)   # every row, here
+    return np.asarray(whole).ravel().tolist()
 
 
 def dropout_key():
@@ -128,8 +130,8 @@ def test_agreeing_pieces_make_one_global_batch_checked_once_per_signature(outcom
     assert [o for _, o in both(outcomes, "shard_once")] == ["ok 3", "ok 3"]
 
 
-def test_a_padded_fsdp_leaf_saved_by_two_processes_restores_every_row(outcomes):
-    assert [o for _, o in both(outcomes, "fsdp_checkpoint")] == ["ok [2.0, 3.0]"] * 2
+def test_an_fsdp_leaf_split_over_two_processes_saves_and_restores_every_row(outcomes):
+    assert [o for _, o in both(outcomes, "fsdp_checkpoint")] == ["ok [2.0, 3.0, 4.0, 5.0]"] * 2
 
 
 def test_a_dropout_key_is_broadcast_from_process_0_to_every_rank(outcomes):
