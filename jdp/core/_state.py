@@ -8,6 +8,7 @@ and replicated.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -111,7 +112,28 @@ def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
     placed = placed.replace(opt_state=_zero.place_split(host.opt_state, group))
     if not shard_params:
         return placed
+    _say_whole(host.params, group, shard_params)
     return placed.replace(params=_zero.place_split(host.params, group))
+
+
+WHOLE_SAID = (0.01, 2**20)   # kept-whole parameters under this share or bytes: not worth a word
+
+
+def _say_whole(params: Any, group: int | None, option: Any) -> None:
+    """Warn when parameters that no axis of the device count divides, kept whole on every
+    device, hold a noticeable share of the model and a MiB or more (a bias of 10 classes
+    does not)."""
+    whole = _zero.whole_leaves(params, group)
+    total = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params))
+    kept = sum(size for _, size in whole)
+    if kept <= WHOLE_SAID[0] * total or kept < WHOLE_SAID[1]:
+        return
+    names = ", ".join(name for name, _ in whole[:3]) + (", ..." if len(whole) > 3 else "")
+    warnings.warn(
+        f"jdp.broadcast(shard_params={option!r}): {len(whole)} parameter(s) ({names}: "
+        f"{kept / 2**20:.1f} MiB, {100 * kept / total:.0f} % of the parameters) have no axis "
+        f"the {_zero.ways(group)} devices divide, so each device keeps them whole; widths "
+        f"that {_zero.ways(group)} divides split them", UserWarning, stacklevel=3)
 
 
 def shard(rows: Any, *, layout: str = "global") -> Any:

@@ -252,3 +252,24 @@ def test_on_two_processes_unshard_gathers_a_leaf_split_across_them_and_unsynced_
         assert "\n" not in out["sync"]
         np.testing.assert_array_equal(out["unsharded"], np.arange(36).reshape(3, 12))
         assert "model_state_sync=None" in out["sync"] and "model_state['m']" in out["sync"]
+
+
+def test_a_large_parameter_no_device_count_divides_is_kept_whole_and_said_once_placed():
+    """(500, 530): 8 divides neither axis, so every device keeps the 1 MiB whole; said at
+    `jdp.broadcast` with its name and size. The small bias of 12 beside it is not worth a
+    word, and a model whose widths 8 divides is silent."""
+    params = {"big": np.ones((500, 530), np.float32), "bias": np.zeros(12, np.float32),
+              "split": np.ones((512, 512), np.float32)}
+    state = jdp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    with pytest.warns(UserWarning) as caught:
+        placed = jdp.broadcast(state, shard_params=True)
+    text = str(caught[0].message)
+    assert len(caught) == 1 and "['big']" in text and "1.0 MiB" in text, text
+    assert "8 devices divide" in text and "['bias']" in text, text
+    assert placed.params["big"].sharding.is_fully_replicated
+    assert not placed.params["split"].sharding.is_fully_replicated
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jdp.broadcast(state.replace(params={"split": params["split"], "bias": params["bias"]}),
+                      shard_params=True)
