@@ -1,6 +1,7 @@
 """ZeRO's sharded optimizer state (jdp.broadcast(..., shard_optimizer=True)) checkpoints as one
 logical copy: it restores sharded, unsharded or stacked, on 8 devices and on 2, and back."""
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,16 +12,15 @@ from conftest import REPO, child_env, run_python
 
 import jdp
 from jdp.checkpoint import Checkpointer
-from jdp.core import batch_sharded, replicated
 
 CHILD = os.path.join(REPO, "tests", "system", "checkpoint", "_checkpoint_child.py")
 SAVED = {k: np.asarray(jnp.asarray(v)) for k, v in host_leaves(busy_state(4)).items()}
 
 
 def logical(state) -> dict:
-    """{path: host value cut to the logical shape} (ZeRO pads rows to a multiple of N)."""
-    return {jax.tree_util.keystr(p): np.asarray(x)[tuple(slice(0, n) for n in SAVED[
-        jax.tree_util.keystr(p)].shape)] for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    """{path: host value}."""
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
 def assert_saved_values(state):
@@ -30,13 +30,23 @@ def assert_saved_values(state):
         assert got[name].shape == want.shape and got[name].tobytes() == want.tobytes(), name
 
 
-def assert_sharded(state):
-    """Optimizer moments sharded along the data axis, padded to 8 rows; the rest replicated."""
+def assert_sharded(state, n=8):
+    """Optimizer moments in their own shapes, split along the data axis on one axis that n
+    divides (whole where none does); the rest replicated."""
     for p, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         name = jax.tree_util.keystr(p)
-        moment = name.startswith(".opt_state") and x.ndim
-        assert x.sharding == (batch_sharded() if moment else replicated()), name
-        assert not moment or x.shape[0] % 8 == 0, name
+        assert x.shape == SAVED[name].shape, name
+        assert_split(name, x.shape, x.sharding.spec, n)
+        assert x.sharding.mesh == jdp.mesh(), name
+
+
+def assert_split(name, shape, spec, n):
+    moment = name.startswith(".opt_state") and len(shape)
+    axes = [a for a, s in enumerate(spec) if s == "batch"]
+    if moment and any(d % n == 0 for d in shape):
+        assert len(axes) == 1 and shape[axes[0]] % n == 0, (name, spec)
+    else:
+        assert not axes, (name, spec)
 
 
 @pytest.mark.parametrize("into", ["sharded", "unsharded", "stacked"])
@@ -71,11 +81,10 @@ def test_8_devices_sharded_to_2_devices_unsharded_and_sharded_and_back(tmp_path)
     for name, want in SAVED.items():
         for label in ("unsharded", "sharded"):
             value = got[f"{label}{name}"]
-            cut = value[tuple(slice(0, n) for n in want.shape)]
-            assert cut.tobytes() == want.tobytes(), (label, name)
-        if name.startswith(".opt_state") and want.ndim:  # padded to 2 devices, not 8
-            assert got[f"sharded{name}"].shape[0] == -(-want.shape[0] // 2) * 2, name
-            assert str(got[f"spec{name}"]) == "P('batch',)", name
+            assert value.shape == want.shape and value.tobytes() == want.tobytes(), (label, name)
+        spec = re.findall(r"None|'batch'", str(got[f"spec{name}"]))   # e.g. P(None, 'batch')
+        spec = ["batch" if s == "'batch'" else None for s in spec]      # split for 2 devices
+        assert_split(name, want.shape, spec, 2)
     back = Checkpointer(tmp_path / "back").restore(
         jdp.broadcast(make_state(9), shard_optimizer=True))
     assert_saved_values(back)
