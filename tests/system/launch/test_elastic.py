@@ -183,7 +183,8 @@ HSDP = edited(   # TRAIN, with shard_params="node" and a masked loss the test ca
     ('state = jdp.broadcast(state)', 'state = jdp.broadcast(state, shard_params="node")'),
     ('"ids": ids[mask].tolist(),', '"ids": ids[mask].tolist(), "rows": batch["mask"].shape[0],'),
     ('"world": jax.process_count()}), flush=True)',
-     '"world": jax.process_count(), "group": state.params["w"].group, '
+     '"world": jax.process_count(), '
+     '"group": dict(state.params["w"].sharding.mesh.shape).get("jdp_shard"), '
      '"w": np.asarray(jdp.unshard(state).params["w"]).tolist()}), flush=True)'))
 
 
