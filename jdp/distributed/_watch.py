@@ -37,7 +37,7 @@ KEY = "jdp/watch/"
 EVERY_S = 0.5
 MAX_EVERY_S = 5.0
 STACK_WAIT_S = 5.0       # for the ranks' stacks
-EXIT_WAIT_S = 1.5        # process 0 leaves last, so the others see the exit key first
+EXIT_WAIT_S = 5.0        # the most process 0 waits for the others to leave first
 
 
 def period(timeout_s: float) -> float:
@@ -136,5 +136,8 @@ def _stop_job(client, progress: list, timeout_s: float, finished: str, idle: flo
     print(text, file=sys.stderr, flush=True)
     _run.leave_with(_outcome.EXIT_STALLED)
     client.key_value_set(f"{KEY}exit", "1", allow_overwrite=True)
-    time.sleep(EXIT_WAIT_S)
+    peers = _rank.current().peers
+    if not peers.watched:   # no roll call's connections to tell when the others have left
+        time.sleep(EXIT_WAIT_S)
+    peers.wait_gone(EXIT_WAIT_S)   # process 0 leaves last, once the others saw the exit key
     _run.exit_now(_outcome.EXIT_STALLED)

@@ -64,7 +64,8 @@ class Peers:
         self.answers: dict[int, dict] = {}
         self.answered = threading.Condition()
         self.waiting: tuple[str, int] | None = None
-        self.closed: set[int] = set()           # peers whose connection has ended
+        self.watched: set[int] = set()          # peers whose connection is watched
+        self.closed: set[int] = set()           # those whose connection has ended
         self.closing = threading.Condition()
         self._send_lock = threading.Lock()
 
@@ -72,6 +73,7 @@ class Peers:
         """Watch the roll call's connections `conns` ({rank: socket}) of process `me`."""
         self.me = me
         self.conns.update(conns)
+        self.watched.update(conns)
         events: queue.Queue = queue.Queue()
         for rank, conn in conns.items():
             conn.settimeout(None)
@@ -122,18 +124,21 @@ class Peers:
         SIGABRT with a C++ stack in place of its traceback).
         """
         first = (str(error).strip().splitlines() or [""])[0][:300]
-        peers = list(self.conns)
-        for rank in peers:
+        for rank in list(self.conns):
             self.send(rank, {"failed": f"{type(error).__name__}: {first}"})
         if self.me == 0 and isinstance(error, KeyboardInterrupt):
-            self._wait_closed(peers, INTERRUPTED_S)
+            self.wait_gone(INTERRUPTED_S)
 
-    def _wait_closed(self, ranks: list[int], timeout_s: float) -> None:
-        """Wait up to `timeout_s` until the connections to `ranks` have all ended."""
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until every watched peer's connection has ended (the peers
+        have left); True if they all have. Process 0 waits so before it leaves a job that is
+        ending anyway: the coordination service ends with it, and a peer still leaving would
+        die of that instead (a SIGABRT with a C++ stack)."""
         deadline = time.monotonic() + timeout_s
         with self.closing:
-            while (left := deadline - time.monotonic()) > 0 and not self.closed >= set(ranks):
+            while (left := deadline - time.monotonic()) > 0 and not self.closed >= self.watched:
                 self.closing.wait(left)
+            return self.closed >= self.watched
 
     def _receive(self, conn: socket.socket, events: queue.Queue, rank: int) -> None:
         """Read peer `rank`'s messages into `events` (`_net.receive`); note when it ends."""
