@@ -50,6 +50,10 @@ _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
     "jdp_fsdp_gathering", default=None)
 _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jdp_fsdp_in_layer",
                                                                default=False)
+# While a step is traced: False when the compiler places every gather (no layer gathers on its
+# own), else a list that records each layer that does (`_placement`).
+_BY_LAYER: contextvars.ContextVar[list | bool] = contextvars.ContextVar("jdp_fsdp_by_layer",
+                                                                       default=True)
 
 
 def layer(fn: Callable) -> Callable:
@@ -123,6 +127,9 @@ def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> 
                  "places the gathers, not on its own: its backward pass cannot be recomputed "
                  "outside the device map; the numbers are the same")
         return fn(params, *args)
+    recording = _BY_LAYER.get()
+    if isinstance(recording, list):
+        recording.append(getattr(fn, "__name__", "layer"))
 
     @jax.custom_vjp
     def run(p, a, c):
@@ -267,6 +274,12 @@ def _split(x: jax.Array, where: _Gathering) -> jax.Array:
     return lax.with_sharding_constraint(x, _zero.stored_sharding(x, where.group))
 
 
+def by_layer() -> bool:
+    """Do layers gather on their own in the step being traced (not: the compiler places every
+    gather, `_placement`)?"""
+    return _BY_LAYER.get() is not False
+
+
 def is_given(params: Any) -> bool:
     """Are `params` some of the step's own parameters, as the loss was given them? Not when
     they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`: those gather per
@@ -281,7 +294,7 @@ def gathering(axes: Any, group: int | None, params: Any = None):
     """While the step traces the loss on `params`: `layer`s (and the layers a policy finds)
     gather."""
     ids = frozenset(id(x) for x in jax.tree.leaves(params))
-    token = _ACTIVE.set(_Gathering(axes, group, ids))
+    token = _ACTIVE.set(_Gathering(axes, group, ids) if by_layer() else None)
     try:
         yield
     finally:

@@ -37,7 +37,7 @@ def find(loss_fn: Callable, trace: Callable[[], Any]) -> tuple[frozenset, frozen
     warning says so once. A policy of the user's that matches no submodule says so once."""
     policy = _layers.policy_of(loss_fn)
     linen, nnx = "flax.linen" in sys.modules, "flax.nnx" in sys.modules
-    if not policy.enabled or not (linen or nnx):
+    if not policy.enabled or not _layers.by_layer() or not (linen or nnx):
         return frozenset(), frozenset()
     found_linen: dict = {}
     found_nnx: dict = {}

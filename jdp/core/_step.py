@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _dispatch, _grads, _mesh, _zero
+from jdp.core import _checks, _dispatch, _grads, _mesh, _placement, _zero
 from jdp.core._mesh import AXIS
 from jdp.distributed import agree_once, require_job
 
@@ -322,7 +322,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         _checks.global_batch(batch, options.accum_steps)
 
     donate = options.donate
-    transform = functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
+    transform = _fsdp_placed(functools.partial(jax.jit, donate_argnums=(0,) if donate else ()),
+                             options)
     announce = _dispatch.collective_call("train_step", "jdp.train_step", False,
                                          **options.agreed())
     step = _dispatch.make_step(body, check, transform, place_stop,
@@ -353,11 +354,20 @@ def split_train_step(loss_fn: Callable, **options: Any) -> tuple:
 
     announce = _dispatch.collective_call("train_step", "jdp.train_step", False, **o.agreed())
     gradients = _dispatch.make_step(functools.partial(group_gradients, options=o), check,
-                                    jax.jit, place_stop, max_in_flight=o.max_in_flight,
+                                    _fsdp_placed(jax.jit, o), place_stop,
+                                    max_in_flight=o.max_in_flight,
                                     train=True, announce=announce)
     update = jax.jit(functools.partial(apply_update, options=o),
                      donate_argnums=(0,) if o.donate else ())
     return gradients, update
+
+
+def _fsdp_placed(transform: Callable, options: StepOptions) -> Callable:
+    """`transform` itself, or under FSDP one that keeps whichever placement of the gathers
+    peaks lower, layer by layer or the compiler's (`_placement`)."""
+    if not options.shard_params:
+        return transform
+    return lambda body: _placement.LowerPeak(body, transform, "jdp.train_step")
 
 
 def _model_state_checked(step: Callable) -> Callable:
