@@ -8,6 +8,7 @@ they must be every example of the epoch exactly once (an independent count, from
 not from the Loader's own bookkeeping).
 """
 import json
+import contextlib
 import os
 import re
 import signal
@@ -118,7 +119,8 @@ def kill_node(tag: str, node_launcher: subprocess.Popen) -> float:
     pids = [p.pid for p in job_processes(tag)
             if p.ppid() == node_launcher.pid or p.pid == node_launcher.pid]
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):   # a rank that left as its launcher died
+            os.kill(pid, signal.SIGKILL)
     node_launcher.wait(timeout=10)
     return time.time()
 
