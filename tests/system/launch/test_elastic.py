@@ -7,8 +7,8 @@ final state descends from: round q's steps up to the step round q+1 restored fro
 they must be every example of the epoch exactly once (an independent count, from the logs,
 not from the Loader's own bookkeeping).
 """
-import json
 import contextlib
+import json
 import os
 import re
 import signal
