@@ -192,7 +192,8 @@ def _params_as_stored(params: Any, shard_params: Any) -> None:
 def _opt_as_stored(opt: Any, shard_optimizer: bool, shard_params: Any) -> None:
     """The optimizer state is split (ZeRO, FSDP) exactly when the step's options say so."""
     n = _zero.ways(_zero.group_size(shard_params) if shard_params else None)
-    splittable = [x for x in jax.tree.leaves(opt) if _zero.opt_axis(x, n) is not None]
+    splittable = [x for x in jax.tree.leaves(opt)
+                  if _zero.opt_axis(x, n, bool(shard_params)) is not None]
     split = [_split(x) for x in splittable]
     if (shard_optimizer or shard_params) and not all(split):
         option = f"shard_params={shard_params!r}" if shard_params else "shard_optimizer=True"

@@ -109,7 +109,8 @@ def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
         raise TypeError(f"jdp.broadcast({option}): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
     group = _zero.group_size(shard_params) if shard_params else None
-    placed = placed.replace(opt_state=_zero.place_split(host.opt_state, group))
+    placed = placed.replace(opt_state=_zero.place_split(host.opt_state, group,
+                                                         bool(shard_params)))
     if not shard_params:
         return placed
     _say_whole(host.params, group, shard_params)

@@ -2,12 +2,13 @@
 (FSDP / ZeRO-3): how the state is stored and updated.
 
 One rule for every stored leaf (`shard_axis`): a floating leaf is a `jax.Array` of its own
-(the model's, or `tx.init`'s) shape, split along `jdp.AXIS` on the largest axis the device
-count divides (never the leading axis of a leaf of 3 or more dimensions, which may be a stack
-of scanned layers: each layer is then split alone), or kept whole (replicated) when no axis
-divides; scalars (Adam's `count`) and leaves that are not floating (a PRNG key, a mask) stay
-replicated. Nothing is padded, so every JAX, flax, optax and orbax function sees the model's
-numbers; `stored_bytes` says what is kept whole.
+(the model's, or `tx.init`'s) shape, split along `jdp.AXIS` on an axis the device count
+divides (ZeRO: the leading one where it can; FSDP: the largest, never the leading axis of a
+leaf of 3 or more dimensions, which may be a stack of scanned layers: each layer is then split
+alone), or kept whole (replicated) when no axis divides; scalars (Adam's `count`) and leaves
+that are not floating (a PRNG key, a mask) stay replicated. Nothing is padded, so every JAX,
+flax, optax and orbax function sees the model's numbers; `whole_leaves` says what is kept
+whole.
 
 The step reduce-scatters the gradients (`lax.psum_scatter` on each leaf's split axis, each
 device receiving the sum of its 1/N slice), then runs the optimiser *outside* the per-device
@@ -62,11 +63,14 @@ def ways(group: int | None) -> int:
     return group or _mesh.mesh().size
 
 
-def shard_axis(shape: tuple[int, ...], n: int) -> int | None:
-    """The axis a leaf of `shape` is split on over `n` devices: the largest axis `n` divides
-    (for 3 or more dimensions not the first, which may stack scanned layers: a layer split
-    across its own rows lets the compiler gather it alone inside the loop; for 2 the later on
-    a tie), or None (kept whole) for a scalar and when no such axis divides."""
+def shard_axis(shape: tuple[int, ...], n: int, fsdp: bool = True) -> int | None:
+    """The axis a leaf of `shape` is split on over `n` devices, or None (kept whole) for a
+    scalar and when no axis divides. ZeRO (`fsdp=False`): the leading axis when `n` divides it
+    (a reduce-scatter of contiguous rows). Else the largest axis `n` divides: for 3 or more
+    dimensions not the first, which may stack scanned layers (a layer split across its own
+    rows lets the compiler gather it alone inside the loop); for 2 the later on a tie."""
+    if not fsdp and shape and shape[0] % n == 0:
+        return 0
     first = 1 if len(shape) >= 3 else 0
     fits = [a for a in range(first, len(shape)) if shape[a] and shape[a] % n == 0]
     if not fits:
@@ -74,14 +78,14 @@ def shard_axis(shape: tuple[int, ...], n: int) -> int | None:
     return max(fits, key=lambda a: (shape[a], a if len(shape) == 2 else -a))
 
 
-def opt_axis(leaf: Any, n: int) -> int | None:
+def opt_axis(leaf: Any, n: int, fsdp: bool = True) -> int | None:
     """The axis an optimizer-state leaf (anything with a shape and dtype) is split on: its
     parameter's, by the same rule (the update then needs no reshuffle); None (replicated) for
     a leaf that is not floating: a PRNG key (`optax.add_noise`'s), a counter or a mask is one
     value, not rows to divide."""
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
         return None
-    return shard_axis(tuple(leaf.shape), n)
+    return shard_axis(tuple(leaf.shape), n, fsdp)
 
 
 def split_on(axis: int | None, group: int | None = None) -> Any:
@@ -95,15 +99,16 @@ def split_on(axis: int | None, group: int | None = None) -> Any:
     return jax.sharding.NamedSharding(_mesh.group_mesh(group), spec)
 
 
-def stored_sharding(leaf: Any, group: int | None = None) -> Any:
+def stored_sharding(leaf: Any, group: int | None = None, fsdp: bool = True) -> Any:
     """Where a leaf of this shape and dtype is kept when it is stored split (`opt_axis`)."""
-    return split_on(opt_axis(leaf, ways(group)), group)
+    return split_on(opt_axis(leaf, ways(group), fsdp), group)
 
 
-def place_split(tree: Any, group: int | None = None) -> Any:
-    """Host values every process holds, placed split as stored (split over all devices, or
-    within groups of `group`: HSDP)."""
-    return jax.tree.map(lambda x: _mesh.place(x, stored_sharding(np.asarray(x), group)), tree)
+def place_split(tree: Any, group: int | None = None, fsdp: bool = True) -> Any:
+    """Host values every process holds, placed split as stored (FSDP's rule, or ZeRO's; over
+    all devices, or within groups of `group`: HSDP)."""
+    return jax.tree.map(lambda x: _mesh.place(x, stored_sharding(np.asarray(x), group, fsdp)),
+                        tree)
 
 
 def params_group(params: Any) -> int | None:
@@ -137,7 +142,7 @@ def scatter_gradients(grads: Any, mean: bool, comm_dtype: Any) -> Any:
 
     def one(g):
         sent = g.astype(comm_dtype or g.dtype)
-        axis = shard_axis(g.shape, n)
+        axis = shard_axis(g.shape, n, fsdp=False)
         if axis is None:
             total = lax.psum(sent, AXIS)
         else:
@@ -154,7 +159,7 @@ def grad_specs(grads: Any) -> Any:
     n = _mesh.mesh().size
 
     def one(g):
-        axis = shard_axis(tuple(g.shape), n)
+        axis = shard_axis(tuple(g.shape), n, fsdp=False)
         return P() if axis is None else P(*[None] * axis, AXIS)
 
     return jax.tree.map(one, grads)
@@ -168,10 +173,10 @@ def apply(state: Any, grads: Any, comm_dtype: Any, fsdp: bool = False,
     and its parameters replicated (the updates all-gathered, in `comm_dtype`), or, under FSDP
     (`fsdp`, within groups of `group` under HSDP), split again as stored.
     """
-    keep = lambda t, g=None: jax.tree.map(lambda x: _store(x, g), t)  # noqa: E731
-    grads = keep(grads, group if fsdp else None)
+    keep = lambda t, g=None: jax.tree.map(lambda x: _store(x, g, fsdp), t)  # noqa: E731
+    grads = keep(grads, group)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    opt_state = keep(opt_state, group if fsdp else None)
+    opt_state = keep(opt_state, group)
     replicated = _mesh.replicated()
 
     def gather(u):  # the all-gather: every device gets all updated rows
@@ -185,9 +190,9 @@ def apply(state: Any, grads: Any, comm_dtype: Any, fsdp: bool = False,
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
 
-def _store(x: jax.Array, group: int | None = None) -> jax.Array:
+def _store(x: jax.Array, group: int | None = None, fsdp: bool = True) -> jax.Array:
     """A leaf kept as stored: split by the rule (`stored_sharding`), or replicated."""
-    return lax.with_sharding_constraint(x, stored_sharding(x, group))
+    return lax.with_sharding_constraint(x, stored_sharding(x, group, fsdp))
 
 
 def cast(tree: Any, dtype: Any) -> Any:
