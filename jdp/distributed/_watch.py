@@ -72,6 +72,8 @@ def _publish(client, rank: int, slot, main: threading.Thread, every: float = EVE
                 text = _watchdog.frame_summary(frame) if frame is not None else "(no stack)"
                 client.key_value_set(f"{KEY}stack/{rank}", text, allow_overwrite=True)
                 _run.leave_with(_outcome.EXIT_STALLED)
+                if rank == 0:   # its watchdog thread reports, and leaves once the others have
+                    return
                 _wait_for(client, f"{KEY}exit", STACK_WAIT_S + 30.0)   # process 0 reports
                 _run.exit_now(_outcome.EXIT_STALLED)
     except Exception:   # the coordination service is gone (the job is ending): stop watching

@@ -22,6 +22,12 @@ from jdp.core import replicated
 SHAPES = {"w1": (128, 256), "b1": (256,), "w2": (256, 10), "b2": (10,)}  # an MLP, 35k params
 
 
+# A training step's compute between saves. Saving back to back with max_to_keep=3, a reader
+# slowed by a loaded machine lost every checkpoint it started to read before it finished
+# (CorruptCheckpointError after 20 tries, as designed): no trainer saves that often.
+STEP_S = 0.05
+
+
 def values(step: int) -> dict:
     """The state saved at `step`: leaf i holds step + i*0.25 + its flat index * 1e-3."""
     out = {name: (step + i * 0.25 + np.arange(np.prod(shape)) * 1e-3).astype(np.float32)
@@ -48,6 +54,7 @@ def trainer(directory: str, out: str, seconds: float) -> None:
             result["save_s"].append(time.monotonic() - began)
         except Exception:  # every failed save is the test's failure: keep going, count it
             result["failures"].append(traceback.format_exc())
+        time.sleep(STEP_S)
     result["last_step"] = step
     with open(out, "w") as f:
         json.dump(result, f)

@@ -9,7 +9,7 @@ import sys
 from conftest import REPO, finish, job_env, wait_until_gone
 
 CHILD = os.path.join(REPO, "tests", "system", "checkpoint", "_checkpoint_concurrency_child.py")
-SECONDS = 8    # about 130 saves and 350 restores here: far past the 10 of each required
+SECONDS = 8    # about 65 saves and 375 restores here: far past the 10 of each required
 
 
 def test_a_reader_in_a_loop_never_fails_a_save_nor_restores_a_partial_checkpoint(tmp_path, tag):
