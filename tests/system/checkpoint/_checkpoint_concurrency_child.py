@@ -64,7 +64,7 @@ def reader(directory: str, out: str, seconds: float) -> None:
     """Open Checkpointers, list, restore and check, until `seconds` have passed."""
     template = to_global(jax.tree.map(np.zeros_like, values(0)))
     result = {"restores": 0, "empty": 0, "latest_calls": 0, "wrong": [], "errors": [],
-              "warnings": [], "restore_s": [], "steps": []}
+              "warnings": [], "restore_s": [], "steps": [], "raced": 0}
     start = time.monotonic()
     while time.monotonic() - start < seconds:
         try:
@@ -88,6 +88,10 @@ def reader(directory: str, out: str, seconds: float) -> None:
             if latest is not None and step < latest - 3 or any(
                     np.asarray(state[k]).tobytes() != want[k].tobytes() for k in want):
                 result["wrong"].append({"step": step, "latest": latest})
+        except jdp.checkpoint.CorruptCheckpointError as e:
+            if "deleted while being read" not in str(e):
+                raise
+            result["raced"] += 1   # the writer outran this reader 20 times: it says retry
         except Exception:
             result["errors"].append(traceback.format_exc())
     with open(out, "w") as f:

@@ -28,10 +28,13 @@ def test_a_reader_in_a_loop_never_fails_a_save_nor_restores_a_partial_checkpoint
                          statistics.median(reader["restore_s"]))
     print(f"\nsaves: {trainer['saved']} (median {save_s:.3f} s); reader: "
           f"{reader['latest_calls']} opens + latest_step, {reader['restores']} restores "
-          f"(median {restore_s:.3f} s) of {len(set(reader['steps']))} steps")
+          f"(median {restore_s:.3f} s) of {len(set(reader['steps']))} steps; "
+          f"{reader['raced']} restores outrun 20 times (they say retry)")
     assert trainer["failures"] == [] and trainer["saved"] >= 10, trainer["failures"][:1]
     assert reader["errors"] == [] and reader["wrong"] == [], (reader["errors"][:1],
                                                               reader["wrong"][:3])
+    # A restore outrun by the writer 20 times over (a loaded reader) raises the error that says
+    # retry: neither a failed save nor a partial checkpoint, so not this test's failure.
     assert reader["warnings"] == [] and reader["restores"] >= 10
     # The directory holds the last max_to_keep=3 complete steps and nothing else.
     last = trainer["last_step"]
