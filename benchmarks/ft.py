@@ -2,7 +2,7 @@
 stall per kill, the heal time of a large state, the step time against the same layout without
 FT, and goodput with a kill at every interval beside restarts from disk checkpoints.
 
-    python -m benchmarks.ft [--size tiny|quick|full] [--parts heal,step,goodput,churn]
+    python -m benchmarks.ft [--size tiny|quick|full] [--parts heal,step,goodput,churn,exchange]
                             [--duration S --every S]     # the tables, as markdown
 
 An FT job is 3 replica groups, each `python -m jdp.launch --nproc_per_node 1
@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import random
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -50,11 +53,12 @@ BIG_WIDTH = 65_536   # the example's MLP with 18 x 65,536 + 1 = 1.2M parameters
 # second at the first group's return.
 SIZES = {
     "tiny": dict(duration=20, every=10, steps=60, repeats=1, widths=(64,),
-                 heal_params=1_000_000, churn=1),
+                 heal_params=1_000_000, churn=1, exchange_params=1_000_000),
     "quick": dict(duration=60, every=15, steps=200, repeats=2, widths=(BIG_WIDTH, 64),
-                  heal_params=50_000_000, churn=8),
+                  heal_params=50_000_000, churn=8, exchange_params=10_000_000),
     "full": dict(duration=600, every=60, steps=400, repeats=3, widths=(BIG_WIDTH, 64),
-                 heal_params=50_000_000, churn=20)}
+                 heal_params=50_000_000, churn=20, exchange_params=10_000_000)}
+EXCHANGE_DEVICES = (2, 8)   # a group's process as in the FT jobs, and a GPU node's count
 
 
 def stalls(job: Job, kills: list) -> list:
@@ -236,15 +240,29 @@ def _joined(job: Job, group: int, kills: list) -> bool:
     return bool(joins) and joins[-1]["pid"] not in {k["pid"] for k in kills}
 
 
-PARTS = ("heal", "step", "goodput", "churn")
+def exchange(params: int) -> list:
+    """`benchmarks.ft_exchange` in a process of each of `EXCHANGE_DEVICES` CPU devices: the
+    host time of the synchronous exchange per step, jdp.ft's buffers against the reference
+    route."""
+    out = []
+    for devices in EXCHANGE_DEVICES:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        done = subprocess.run([sys.executable, "-m", "benchmarks.ft_exchange", "--params",
+                               str(params)], env=env, capture_output=True, text=True,
+                              timeout=900, check=True)
+        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
+
+
+PARTS = ("heal", "step", "goodput", "churn", "exchange")
 
 
 def measure(size: dict, parts=PARTS) -> dict:
-    """The figures of `parts` ("heal", "step", "goodput", "churn"), each in its own temporary
-    directory."""
+    """The figures of `parts` (of `PARTS`), each in its own temporary directory."""
     run = {"heal": lambda d: heal(d, size["heal_params"]),
            "step": lambda d: step_times(d, size), "goodput": lambda d: goodput(d, size),
-           "churn": lambda d: churn(d, size)}
+           "churn": lambda d: churn(d, size),
+           "exchange": lambda d: exchange(size["exchange_params"])}
     with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
         return {part: run[part](os.path.join(root, part)) for part in parts}
 
@@ -316,13 +334,28 @@ def _goodput_rows(g: dict, size: dict) -> list:
     return rows
 
 
+def _exchange_rows(runs: list) -> list:
+    rows = []
+    for x, layout in ((x, layout) for x in runs for layout in ("replicated", "FSDP")):
+        r = x[layout]
+        rows.append([f"exchange's host time per step, {layout}, {x['devices']} devices, "
+                     "buffers / pieces",
+                     f"{r['buffers'] / r['pieces']:.2f}x", "< 1x",
+                     f"{r['params']:,} float32 gradients over {x['devices']} CPU devices of one "
+                     f"process, the all-reduce left out: buffers {r['buffers'] * 1e3:.1f} ms "
+                     f"(jdp.ft), pieces {r['pieces'] * 1e3:.1f} ms (0.7's route); medians, "
+                     "alternated"])
+    return rows
+
+
 def render(r: dict, size: dict) -> str:
     """The markdown: one table of the issue's four figures, then one row per kill."""
     rows = [*(_stall_rows(r["goodput"]) if "goodput" in r else []),
             *(_heal_rows(r["heal"]) if "heal" in r else []),
             *(_step_rows(r["step"]) if "step" in r else []),
             *(_goodput_rows(r["goodput"], size) if "goodput" in r else []),
-            *(_churn_rows(r["churn"]) if "churn" in r else [])]
+            *(_churn_rows(r["churn"]) if "churn" in r else []),
+            *(_exchange_rows(r["exchange"]) if "exchange" in r else [])]
     kills = r["goodput"]["ft"]["kills"] if "goodput" in r else []
     per_kill = report.table(
         ["kill", "group", "survivors' stall (s)", "went on without it", "its heal (s)",
@@ -351,12 +384,11 @@ def table(size: str = "quick") -> str:
 
 
 def main(argv=None) -> None:
-    """`python -m benchmarks.ft [--size S] [--parts heal,step,goodput,churn] [--duration D
-    --every E]`:
-    the table, as markdown, on stdout."""
+    """`python -m benchmarks.ft [--size S] [--parts P,...] [--duration D --every E]`: the
+    table, as markdown, on stdout."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.ft", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
-    p.add_argument("--parts", default=",".join(PARTS), help="which of heal,step,goodput,churn")
+    p.add_argument("--parts", default=",".join(PARTS), help="which of " + ",".join(PARTS))
     p.add_argument("--duration", type=int, help="the goodput runs' window (s)")
     p.add_argument("--every", type=int, help="seconds between kills in the goodput runs")
     args = p.parse_args(argv)

@@ -3,9 +3,9 @@
 Across replica groups each process exchanges exactly what it holds: per leaf, the distinct
 pieces on its devices (one copy of a replicated leaf; its own rows of a split one). Every
 group has the same layout, so the process of the same rank in every group holds the same
-pieces, in the same order, and their buffers reduce element by element. On CPU a piece is
-read without a copy (`np.asarray` of a CPU buffer); packing into one buffer per dtype makes
-the one copy the all-reduce needs.
+pieces, in the same order. On CPU a piece is read without a copy (`np.asarray` of a CPU
+buffer). A heal's state and a fresh job's initial one travel this way, bitwise; the
+gradients' all-reduce has its own buffers (`_buffers`).
 """
 from __future__ import annotations
 
@@ -44,29 +44,6 @@ def from_host(like: Any, host: list) -> Any:
                   for s in leaf.addressable_shards]
         out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays))
     return jax.tree.unflatten(treedef, out)
-
-
-def pack(host: list) -> dict:
-    """One flat buffer per dtype (name -> array), the pieces in order."""
-    flat: dict = {}
-    for values in host:
-        for v in values:
-            flat.setdefault(v.dtype.name, []).append(v.reshape(-1))
-    return {name: np.concatenate(parts) for name, parts in flat.items()}
-
-
-def unpack(buffers: dict, host: list) -> list:
-    """`pack`'s inverse: `host`'s pieces refilled from `buffers`, in the same order."""
-    offsets = dict.fromkeys(buffers, 0)
-    out = []
-    for values in host:
-        row = []
-        for v in values:
-            at = offsets[v.dtype.name]
-            row.append(buffers[v.dtype.name][at:at + v.size].reshape(v.shape))
-            offsets[v.dtype.name] = at + v.size
-        out.append(row)
-    return out
 
 
 def to_wire(host: list) -> list:

@@ -2,7 +2,8 @@
 
 Each attempt at a step asks torchft for the quorum (the groups alive now), computes this
 group's gradient (`jdp.train_step`'s first half on the group's own devices), sums the
-gradients of the groups in the quorum on the host over torchft's process group, and commits
+gradients of the groups in the quorum over torchft's process group (`_buffers`: flat buffers
+made on the devices, copied to the host and back once each), and commits
 the update only if every group's all-reduce succeeded (torchft's `should_commit`). An attempt
 that fails (a group died during it) is discarded by every survivor and redone with the same
 batch in the next quorum. A group that comes back heals from a live peer before it computes.
@@ -29,7 +30,7 @@ import numpy as np
 from jdp.core import split_train_step
 from jdp.data import DistributedSampler
 from jdp.distributed import broadcast_for, print0, require_job
-from jdp.ft import _agreement, _coords, _exchange, _fingerprint, _manager, _record, _start
+from jdp.ft import _agreement, _buffers, _coords, _exchange, _fingerprint, _manager, _record, _start
 from jdp.job import env as _env
 from jdp.job import events as _events
 from jdp.job import run as _run
@@ -41,7 +42,6 @@ TELL_S = 10.0             # a difference seen at step 0 with groups missing: rai
                           # long (or once every group is here), so late groups see it too
 POLL_S = 0.1              # between the quorums of a group that waits at step 0
 WHO = "jdp.ft.Replicas"
-_SUM, _MEAN = "sum", "mean"
 
 
 class Replicas:
@@ -98,6 +98,7 @@ class Replicas:
         self._healed: Any = None      # a peer's state, placed, for the next step call
         self._batch: Any = None       # the batch of the step under way, kept for a retry
         self._halves: tuple | None = None     # train_step's (gradients, update)
+        self._mean = True                     # and whether its gradients are averaged
         self._epochs: Iterator | None = None
         self._ready = False           # a quorum was held for the attempt the step makes
         self._began = 0.0             # when the attempt began (its quorum)
@@ -175,7 +176,7 @@ class Replicas:
         from the peer's state, whatever state it is given."""
         gradients, update = split_train_step(loss_fn, **options)
         self._halves = gradients, update
-        mean = options.get("grad_reduce", "mean") == "mean"
+        mean = self._mean = options.get("grad_reduce", "mean") == "mean"
         self._fields["options"] = _fingerprint.of_options(options)
 
         def step(state, batch):
@@ -206,15 +207,18 @@ class Replicas:
 
     def _warm_up(self) -> None:
         """Compile this group's step before its first quorum (the step from `train_step`,
-        on the first batch: one gradient computed and dropped, the update compiled alone,
-        as it donates the state). A group that joins a running job, or comes back to it,
-        then computes its first attempt at once: the others no longer wait in the all-reduce
-        for its compilation (seconds on a CPU; past `timeout`, a discarded step)."""
+        on the first batch: one gradient computed and dropped, the exchange's buffers made
+        and unmade on the devices, the update compiled alone, as it donates the state). A
+        group that joins a running job, or comes back to it, then computes its first
+        attempt at once: the others no longer wait in the all-reduce for its compilation
+        (seconds on a CPU; past `timeout`, a discarded step)."""
         if self._halves is None or self._batch is not None:
             return
         gradients, update = self._halves
         self._batch = self._next_batch()   # the first step's (a heal replaces it)
-        grads, new_model_state, _ = gradients(self._state, self._batch)
+        tree = gradients(self._state, self._batch)
+        plan = _buffers.Buffers.of(tree, _divided(tree, self._mean))
+        grads, new_model_state, _ = plan.unflatten(plan.flatten(tree), tree, 1)
         update.lower(self._state, grads, new_model_state).compile()
 
     def _next_batch(self) -> Any:
@@ -329,16 +333,18 @@ class Replicas:
         if self.step == 0:
             state = self._initial(state)
         grads, new_ms, metrics = gradients(state, batch)
-        kinds = ((grads, _MEAN if mean else _SUM), (new_ms, _MEAN), (metrics, _MEAN))
-        host = [(_exchange.to_host(tree), kind) for tree, kind in kinds]
-        reduced, self.groups = self._allreduce(host)
+        tree = (grads, new_ms, metrics)
+        plan = _buffers.Buffers.of(tree, _divided(tree, mean))
+        buffers = plan.flatten(tree)
+        host = _buffers.to_host(buffers)
+        self.groups = self._allreduce(host)
         self.committed = self._manager.should_commit()
         seconds = time.perf_counter() - self._began
         if not self.committed:
             self._discarded(seconds)
             return state, metrics
-        grads, new_ms, metrics = (_exchange.from_host(tree, values)
-                                  for (tree, _), values in zip(kinds, reduced, strict=True))
+        grads, new_ms, metrics = plan.unflatten(_buffers.back(buffers, host), tree,
+                                                len(self.groups))
         self._state = update(state, grads, new_ms)
         self._batch = None
         if self.loader is not None:   # the batches of the committed steps, all handed out
@@ -373,33 +379,23 @@ class Replicas:
                f"{self.step + 1} (groups {self._members}): {why}; it redoes the step with the "
                "same batch in the next quorum", file=sys.stderr)
 
-    def _allreduce(self, host: list) -> tuple[list, list]:
-        """The trees' float pieces summed over the quorum's groups (the means divided by the
-        number of groups), and which groups took part: a one-hot row of this group's index
-        rides in the same all-reduce, so the sum names them."""
+    def _allreduce(self, host: list) -> list:
+        """`host`'s tensors summed in place over the quorum's groups, and which groups took
+        part: a one-hot row of this group's index rides in the same all-reduce, so the sum
+        names them."""
         import torch
         from torch.distributed import ReduceOp
-        floats = [_floats(values) for values, _ in host]
-        buffers = [_exchange.pack(pieces) for pieces in floats]
         member = np.zeros(self.coords.groups, np.float32)
         member[self.coords.group] = 1
-        tensors = [torch.from_numpy(b) for bufs in buffers for b in bufs.values()]
-        tensors.append(torch.from_numpy(member))
-        works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
+        works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM)
+                 for t in [*host, torch.from_numpy(member)]]
         for work in works:
             work.wait()
         if self._manager.errored():
             # a group died during it: closing this process's links now fails the all-reduce
             # of every survivor still waiting in it, instead of at the next quorum
             self._pg.abort()
-        groups = [int(i) for i in np.flatnonzero(member > 0.5)]
-        out = []
-        for (values, kind), pieces, bufs in zip(host, floats, buffers, strict=True):
-            if kind == _MEAN:
-                for b in bufs.values():
-                    b /= max(len(groups), 1)
-            out.append(_merge(values, _exchange.unpack(bufs, pieces)))
-        return out, groups
+        return [int(i) for i in np.flatnonzero(member > 0.5)]
 
     def _state_dict(self) -> dict:
         """What a healing peer fetches (on torchft's quorum thread, while this process waits
@@ -481,20 +477,11 @@ def _forever(loader: Any) -> Iterator:
         yield from loader
 
 
-def _floats(values: list) -> list:
-    """Per leaf, its pieces when floating (exchanged as float32, or float64), else none."""
-    out = []
-    for pieces in values:
-        dtype = pieces[0].dtype
-        floating = np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
-        wire = np.float64 if dtype == np.float64 else np.float32
-        out.append([v.astype(wire) for v in pieces] if floating else [])
-    return out
-
-
-def _merge(values: list, reduced: list) -> list:
-    """Per leaf, the reduced pieces where it was exchanged, else its own."""
-    return [r if r else v for v, r in zip(values, reduced, strict=True)]
+def _divided(tree: tuple, mean: bool) -> tuple:
+    """Per leaf of `(grads, new_model_state, metrics)`, whether its sum over the groups is
+    divided by their count: the gradients' when `grad_reduce="mean"`, the others' always."""
+    grads, *rest = (len(jax.tree.leaves(t)) for t in tree)
+    return (mean,) * grads + (True,) * sum(rest)
 
 
 def _error_line(error: Any) -> str:

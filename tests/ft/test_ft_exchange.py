@@ -1,5 +1,5 @@
 """jdp.ft's host side: a state's pieces to host buffers and back for every layout, the
-all-reduce's packing, the heal's wire form, and the replica coordinates from the
+all-reduce's buffers made on the devices, the heal's wire form, and the replica coordinates from the
 environment. The expected values are numpy's own arrays of the same state."""
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jdp
-from jdp.ft import _coords, _exchange
+from jdp.ft import _buffers, _coords, _exchange
 from jdp.job.run import FINAL_EXIT, failure_code
 
 torch = pytest.importorskip("torch")
@@ -44,17 +44,49 @@ def test_host_pieces_rebuild_the_same_global_arrays(layout):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want) * factor)
 
 
-def test_pack_and_unpack_keep_every_piece_in_its_place():
-    host = [[np.ones((2, 3), np.float32), np.full(4, 2, np.float32)], [np.arange(5.0)],
-            [np.full((1, 2), 3, np.float32)]]
-    buffers = _exchange.pack(host)
-    assert sorted(buffers) == ["float32", "float64"]
-    np.testing.assert_array_equal(buffers["float32"], [1] * 6 + [2] * 4 + [3] * 2)
-    buffers["float32"] *= 10
-    out = _exchange.unpack(buffers, host)
-    np.testing.assert_array_equal(out[0][1], np.full(4, 20))
-    np.testing.assert_array_equal(out[2][0], np.full((1, 2), 30))
-    np.testing.assert_array_equal(out[1][0], np.arange(5.0))
+def _mixed(seed, **layout):
+    """A state with float32, bfloat16 and int32 leaves, its values drawn from `seed`."""
+    rng = np.random.default_rng(seed)
+    params = {"w": rng.normal(size=(24, 6)).astype(np.float32),
+              "b": rng.normal(size=(6,)).astype(np.float32),
+              "h": rng.normal(size=(5,)).astype(jnp.bfloat16),
+              "n": rng.integers(0, 9, size=(3,)).astype(np.int32)}
+    tx = optax.masked(optax.adam(0.1), {"w": True, "b": True, "h": True, "n": False})
+    return jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=tx), **layout)
+
+
+@pytest.mark.parametrize("layout", [{}, {"shard_optimizer": True}, {"shard_params": True},
+                                    {"shard_params": 4}], ids=["replicated", "zero", "fsdp",
+                                                               "hsdp"])
+def test_buffers_made_on_the_devices_reduce_two_groups_leaf_by_leaf(layout):
+    mine, theirs = _mixed(0, **layout), _mixed(1, **layout)
+    tree = (mine.params, mine.opt_state)
+    divide = tuple(i % 2 == 0 for i in range(len(jax.tree.leaves(tree))))
+    plan = _buffers.Buffers.of(tree, divide)
+    buffers = plan.flatten(tree)
+    host = _buffers.to_host(buffers)
+    # on CPU the host tensors are the devices' own memory: nothing copied to get there
+    shards = [s for b in buffers for s in sorted(b.addressable_shards, key=lambda s: s.index)]
+    assert [t.data_ptr() for t in host] == [s.data.unsafe_buffer_pointer() for s in shards]
+    # every floating value once in all: a replicated leaf sliced over its copies
+    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert sum(x.size for x in floats) <= sum(t.numel() for t in host) < sum(
+        x.size + jax.device_count() for x in floats)
+    other = (theirs.params, theirs.opt_state)
+    for t, u in zip(host, _buffers.to_host(plan.flatten(other)), strict=True):
+        t += u   # the all-reduce over two groups, in place
+    out = plan.unflatten(_buffers.back(buffers, host), tree, 2)
+    rows = zip(jax.tree.leaves(out), jax.tree.leaves(tree), jax.tree.leaves(other), divide,
+               strict=True)
+    for got, a, b, div in rows:
+        assert got.sharding == a.sharding and got.dtype == a.dtype
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            want = a64   # integers stay each group's own
+        else:
+            want = (a64 + b64) / (2 if div else 1)
+        tol = 1e-2 if a.dtype == jnp.bfloat16 else 1e-6
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
 
 
 def test_wire_form_is_bitwise_for_every_dtype_and_digests_tell_states_apart():

@@ -1,7 +1,8 @@
 """A group compiles its step before its first quorum (`Replicas._warm_up`): after
-`replicas.batches(n)` hands out its first batch (the quorum held), the step's two halves run on
-it without one XLA compilation, so a group that joins a running job keeps nobody waiting in
-the all-reduce while it compiles. Real jitted halves, JAX's own compile events counted."""
+`replicas.batches(n)` hands out its first batch (the quorum held), the step's two halves and the
+exchange's buffers run on it without one XLA compilation, so a group that joins a running job
+keeps nobody waiting in the all-reduce while it compiles. Real jitted halves, JAX's own compile
+events counted."""
 from types import SimpleNamespace
 
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp.ft import _replicas
+from jdp.ft import _buffers, _replicas
 
 COMPILED = "/jax/core/compile/backend_compile_duration"
 EVENTS: list = []
@@ -31,8 +32,9 @@ def _group(loader, halves):
     group = object.__new__(_replicas.Replicas)
     quorums = []
     group.__dict__.update(
-        _halves=halves, _batch=None, _epochs=None, loader=loader, _fields={}, _ready=False,
-        _state={"w": jnp.zeros((4,))}, _manager=SimpleNamespace(current_step=lambda: 0),
+        _halves=halves, _mean=True, _batch=None, _epochs=None, loader=loader, _fields={},
+        _ready=False, _state={"w": jnp.zeros((4,))},
+        _manager=SimpleNamespace(current_step=lambda: 0),
         _quorum=lambda: quorums.append(len(EVENTS)))
     return group, quorums
 
@@ -47,7 +49,11 @@ def test_the_first_attempt_after_the_quorum_compiles_nothing(warm):
     batches = group.batches(2)
     batch = next(batches)
     assert batch is loader[0] and len(quorums) == 1   # the first batch, after one quorum
-    grads, model_state, _ = gradients(group._state, batch)   # the attempt, as `_attempt` runs it
+    tree = gradients(group._state, batch)   # the attempt, as `_attempt` runs it
+    plan = _buffers.Buffers.of(tree, _replicas._divided(tree, True))
+    buffers = plan.flatten(tree)
+    host = _buffers.to_host(buffers)   # one group: the all-reduce leaves them as they are
+    grads, model_state, _ = plan.unflatten(_buffers.back(buffers, host), tree, 1)
     state = update(group._state, grads, model_state)
     compiled_after_quorum = len(EVENTS) - quorums[0]
     assert (compiled_after_quorum == 0) == warm, compiled_after_quorum

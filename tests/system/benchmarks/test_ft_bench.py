@@ -45,7 +45,9 @@ def test_every_figure_has_a_finite_number(table):
                 "goodput, FT, kills of a group's worker",
                 "survivors' stall per kill while every group trains (max)",
                 "survivors' stall per kill at another's return (max)",
-                "others' longest step at a group's return (max)"]
+                "others' longest step at a group's return (max)",
+                *(f"exchange's host time per step, {layout}, {d} devices, buffers / pieces"
+                  for d in ft.EXCHANGE_DEVICES for layout in ("replicated", "FSDP"))]
     for figure in expected:
         assert figure in by_figure, (figure, list(by_figure))
         value = first_number(by_figure[figure][1])
