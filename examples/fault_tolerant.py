@@ -11,6 +11,10 @@ heals from a live peer. Needs the `ft` extra (pip install 'jdp[ft]').
         --replica_group 1 --replica_groups 3 --ft_lighthouse 127.0.0.1:29510 \\
         examples/fault_tolerant.py &
     python -m jdp.launch ... --replica_group 2 ...   # the same as group 1
+
+With `--sync_every H` the groups sync every H steps instead (LocalSGD: parameters averaged;
+with `--outer diloco`, DiLoCo: the averaged `anchor - params` applied by SGD with Nesterov
+momentum, docs/faults.md "Groups far apart").
 """
 import argparse
 import json
@@ -59,8 +63,24 @@ def parse_args(argv=None):
     parser.add_argument("--shard_params", type=int, default=0,
                         help="FSDP within each group over this many devices (0: replicated)")
     parser.add_argument("--shard_optimizer", action="store_true", help="ZeRO within each group")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--sync_every", type=int, default=None,
+                        help="steps each group takes alone between syncs (default: none)")
+    parser.add_argument("--outer", choices=("localsgd", "diloco"), default="localsgd",
+                        help="with --sync_every: average the parameters, or DiLoCo")
+    parser.add_argument("--outer_lr", type=float, default=0.7)
+    parser.add_argument("--outer_momentum", type=float, default=0.9,
+                        help="Nesterov momentum of DiLoCo's outer SGD (0: plain SGD)")
     parser.add_argument("--out", default=None, help="write the final parameters here (.npz)")
     return parser.parse_args(argv)
+
+
+def outer_optimizer(args):
+    """DiLoCo's outer optimizer, or None (LocalSGD, or every step without --sync_every)."""
+    if args.sync_every is None or args.outer == "localsgd":
+        return None
+    return optax.sgd(args.outer_lr, momentum=args.outer_momentum or None,
+                     nesterov=bool(args.outer_momentum))
 
 
 def main(argv=None) -> None:
@@ -71,15 +91,18 @@ def main(argv=None) -> None:
                              sampler=jdp.ft.sampler(EXAMPLES, seed=0), drop_last=True)
     layout = {"shard_params": args.shard_params or False,
               "shard_optimizer": args.shard_optimizer}
+    tx = optax.adam(args.lr) if args.optimizer == "adam" else optax.sgd(args.lr)
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=init_params(args.width),
-                                                tx=optax.adam(args.lr)), **layout)
-    with jdp.ft.Replicas(state, loader) as replicas:
+                                                tx=tx), **layout)
+    with jdp.ft.Replicas(state, loader, sync_every=args.sync_every,
+                         outer=outer_optimizer(args)) as replicas:
         step = replicas.train_step(loss_fn, **layout)
         for batch in replicas.batches(args.steps):
             began = time.perf_counter()
             state, metrics = step(state, batch)
-            if replicas.committed and replicas.step % 50 == 0:
-                jdp.print0(f"step {replicas.step}: loss {float(metrics['loss']):.4f} with "
+            done = replicas.inner_steps if args.sync_every else replicas.step
+            if replicas.committed and done % 50 == 0:
+                jdp.print0(f"step {done}: loss {float(metrics['loss']):.4f} with "
                            f"groups {replicas.groups}")
             time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
         state = replicas.state

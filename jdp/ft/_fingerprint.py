@@ -37,6 +37,7 @@ FIELDS = (
     ("sampler", "sampler"),
     ("num_steps", "num_steps"),
     ("min_groups", "min_groups"),
+    ("sync", "syncs (Replicas' sync_every and outer)"),
 )
 STATE_FIELDS = ("params", "model_state", "opt_state", "state", "held")
 MAX_VALUE = 160          # characters of one field's text

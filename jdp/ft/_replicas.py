@@ -30,7 +30,17 @@ import numpy as np
 from jdp.core import split_train_step
 from jdp.data import DistributedSampler
 from jdp.distributed import broadcast_for, print0, require_job
-from jdp.ft import _agreement, _buffers, _coords, _exchange, _fingerprint, _manager, _record, _start
+from jdp.ft import (
+    _agreement,
+    _buffers,
+    _coords,
+    _exchange,
+    _fingerprint,
+    _manager,
+    _outer,
+    _record,
+    _start,
+)
 from jdp.job import env as _env
 from jdp.job import events as _events
 from jdp.job import run as _run
@@ -66,6 +76,13 @@ class Replicas:
             quorum's process group may take before the attempt is discarded. A group that
             dies after a quorum counted it and before the process group was set up holds the
             survivors this long (not the 1 s of a death anywhere else).
+        sync_every: None (default): the groups sum their gradients at every step. H: each
+            group trains on its own for H steps, then the groups sync (`_outer`): LocalSGD,
+            or DiLoCo with `outer`. A quorum, a heal and a discarded attempt happen at syncs
+            only; `num_steps` counts the group's own steps, and the last one syncs too.
+        outer: with `sync_every`, DiLoCo's outer optimizer (any optax one, e.g.
+            `optax.sgd(0.7, momentum=0.9, nesterov=True)`), applied to the groups' mean of
+            `anchor - params`; None: LocalSGD (the parameters averaged).
 
     Example (in a script started by `jdp.launch --replica_group G ...`)::
 
@@ -78,8 +95,10 @@ class Replicas:
     def __init__(self, state: Any, loader: Any = None, *, group: int | None = None,
                  groups: int | None = None, lighthouse: str | None = None,
                  start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0,
-                 timeout: float = _manager.OP_TIMEOUT_S, min_groups: int | None = None):
+                 timeout: float = _manager.OP_TIMEOUT_S, min_groups: int | None = None,
+                 sync_every: int | None = None, outer: Any = None):
         require_job(WHO)
+        self._outer = _outer_of(sync_every, outer)
         start_timeout, quorum_timeout, timeout = (
             _values.seconds(WHO, name, value, maximum=_env.MAX_SECONDS, fix="a wait must end")
             for name, value in (("start_timeout", start_timeout),
@@ -95,7 +114,11 @@ class Replicas:
         self.start_timeout = start_timeout
         self._quorum_timeout = quorum_timeout
         self._fields, self._problem = self._set_up(state, loader)
-        self._healed: Any = None      # a peer's state, placed, for the next step call
+        self._fields["sync"] = "every step" if self._outer is None else self._outer.describe()
+        self._carry: tuple = ()       # DiLoCo's anchor and outer state (semi-synchronous)
+        self._inner = 0               # this group's own steps done (semi-synchronous)
+        self._num_steps = 0
+        self._healed: Any = None      # a state (a peer's, or a sync's) for the next step call
         self._batch: Any = None       # the batch of the step under way, kept for a retry
         self._halves: tuple | None = None     # train_step's (gradients, update)
         self._mean = True                     # and whether its gradients are averaged
@@ -165,6 +188,11 @@ class Replicas:
         return self._manager.current_step()
 
     @property
+    def inner_steps(self) -> int:
+        """With `sync_every`: this group's own steps so far (its position in `num_steps`)."""
+        return self._inner
+
+    @property
     def state(self) -> Any:
         """The latest state: after a heal, the peer's."""
         return self._state
@@ -180,6 +208,8 @@ class Replicas:
         self._fields["options"] = _fingerprint.of_options(options)
 
         def step(state, batch):
+            if self._outer is not None:
+                return self._own_step(gradients, update, state, batch)
             return self._attempt(gradients, update, mean, state, batch)
         return step
 
@@ -194,7 +224,11 @@ class Replicas:
             raise ValueError("Replicas.batches: no loader; pass Replicas(state, loader) with a "
                              "jdp.data.Loader over jdp.ft.sampler(len(source))")
         self._fields["num_steps"] = str(num_steps)
+        self._num_steps = num_steps
         self._warm_up()
+        if self._outer is not None:
+            yield from self._rounds(num_steps)
+            return
         while self.step < num_steps:
             self._quorum()
             if self._batch is None:
@@ -204,6 +238,96 @@ class Replicas:
             if self._ready:
                 raise RuntimeError("Replicas.batches: a batch went by without a step; call "
                                    "the step from replicas.train_step once per batch")
+
+    def _rounds(self, num_steps: int) -> Iterator:
+        """Semi-synchronous: the group's own steps, a sync after every `sync_every` of them
+        and after the last (inside the step call, `_own_step`); a quorum only at a sync."""
+        self._begin()
+        while self._inner < num_steps:
+            if self._batch is None:
+                self._batch = self._next_batch()
+            self._ready = True
+            yield self._batch
+            if self._ready:
+                raise RuntimeError("Replicas.batches: a batch went by without a step; call "
+                                   "the step from replicas.train_step once per batch")
+
+    def _begin(self) -> None:
+        """A semi-synchronous group's first quorum. A fresh job agrees on the lowest group's
+        state and commits it (the start is a sync: a group that dies before the first real
+        one heals like any other); a group coming back has healed from a peer at its sync
+        and takes part in it at once."""
+        self._quorum()
+        if self.step > 0:
+            self._sync_after_quorum()
+        else:
+            self._commit_start()
+        self._healed = self._state
+
+    def _commit_start(self) -> None:
+        began = time.perf_counter()
+        while True:
+            state = self._initial(self._state)
+            self.groups = self._allreduce([])
+            self.committed = self._manager.should_commit()
+            if self.committed:
+                break
+            self._discarded(time.perf_counter() - began, "its start")
+            self._quorum()
+        self._state, self._carry = state, self._outer.start(state)
+        self.history.append((self.step, self.groups))
+        self._record("commit", step=self.step, groups=self.groups, inner=0,
+                     seconds=time.perf_counter() - began)
+
+    def _own_step(self, gradients, update, state, batch):
+        """One of the group's own steps; a sync when it ends a round (or the run)."""
+        if not self._ready:
+            raise RuntimeError("Replicas: the step ran outside `for batch in "
+                               "replicas.batches(num_steps)`, which holds each step's place")
+        self._ready = False
+        if self._healed is not None:
+            state, self._healed = self._healed, None
+        grads, new_ms, metrics = gradients(state, batch)
+        self._state = update(state, grads, new_ms)
+        self._batch, self._inner = None, self._inner + 1
+        self.committed = True
+        if self._inner % self._outer.sync_every == 0 or self._inner >= self._num_steps:
+            self._sync()
+        return self._state, metrics
+
+    def _sync(self) -> None:
+        """A quorum, then the groups' exchange, until one commits (a discarded sync is redone
+        in the next quorum with the same parameters)."""
+        if self.loader is not None:   # what a group healing at this sync reads next
+            self._position = self.loader.state_dict()
+        self._quorum()
+        self._sync_after_quorum()
+
+    def _sync_after_quorum(self) -> None:
+        while not self._sync_once():
+            self._quorum()
+
+    def _sync_once(self) -> bool:
+        state, carry = self._state, self._carry
+        if self._healed is not None:   # healed in this quorum: the peer's, before its sync
+            (state, carry), self._healed = self._healed, None
+        tree = self._outer.exchanged(state, carry)
+        plan = _buffers.Buffers.of(tree, (True,) * len(jax.tree.leaves(tree)))
+        buffers = plan.flatten(tree)
+        host = _buffers.to_host(buffers)
+        self.groups = self._allreduce(host)
+        self.committed = self._manager.should_commit()
+        seconds = time.perf_counter() - self._began
+        self._state, self._carry = state, carry
+        if not self.committed:
+            self._discarded(seconds, "the sync")
+            return False
+        mean = plan.unflatten(_buffers.back(buffers, host), tree, len(self.groups))
+        self._state, self._carry = self._outer.apply(state, mean, carry)
+        self.history.append((self.step, self.groups))
+        self._record("commit", step=self.step, groups=self.groups, inner=self._inner,
+                     seconds=seconds)
+        return True
 
     def _warm_up(self) -> None:
         """Compile this group's step before its first quorum (the step from `train_step`,
@@ -220,6 +344,11 @@ class Replicas:
         plan = _buffers.Buffers.of(tree, _divided(tree, self._mean))
         grads, new_model_state, _ = plan.unflatten(plan.flatten(tree), tree, 1)
         update.lower(self._state, grads, new_model_state).compile()
+        if self._outer is not None:   # the sync's functions too, on copies
+            carry = self._outer.start(self._state)
+            tree = self._outer.exchanged(self._state, carry)
+            plan = _buffers.Buffers.of(tree, (True,) * len(jax.tree.leaves(tree)))
+            self._outer.apply(self._state, plan.unflatten(plan.flatten(tree), tree, 1), carry)
 
     def _next_batch(self) -> Any:
         if self._epochs is None:
@@ -369,15 +498,16 @@ class Replicas:
         self._state = _exchange.from_host(state, got)
         return self._state
 
-    def _discarded(self, seconds: float) -> None:
+    def _discarded(self, seconds: float, what: str = "") -> None:
         """Record a discarded attempt and say so in one line (torchft's tracebacks of it go
         to its own log, `torchft_log`)."""
         why = _error_line(self._manager.errored()) or "a process of this group failed it"
         self._record("discard", step=self.step + 1, groups=self.groups, seconds=seconds,
                      error=why)
+        redo = (f"it redoes {what} in the next quorum" if what else
+                "it redoes the step with the same batch in the next quorum")
         print0(f"jdp.ft: group {self.coords.group} discarded its attempt at step "
-               f"{self.step + 1} (groups {self._members}): {why}; it redoes the step with the "
-               "same batch in the next quorum", file=sys.stderr)
+               f"{self.step + 1} (groups {self._members}): {why}; {redo}", file=sys.stderr)
 
     def _allreduce(self, host: list) -> list:
         """`host`'s tensors summed in place over the quorum's groups, and which groups took
@@ -403,10 +533,16 @@ class Replicas:
         position after its last committed step (not the batch of a discarded attempt, kept for
         the retry), and the state's fingerprint, checked before the state is placed."""
         began = time.time()
-        wire = _exchange.to_wire(_exchange.to_host(self._state))
+        wire = _exchange.to_wire(_exchange.to_host(self._healable()))
         if self._events is not None:   # the digest is for the record alone
             self._record("serve", step=self.step, digest=_exchange.digest(wire), began=began)
-        return {"state": wire, "loader": self._position, "fingerprint": self._state_fields}
+        return {"state": wire, "loader": self._position, "fingerprint": self._state_fields,
+                "inner": self._inner}
+
+    def _healable(self) -> Any:
+        """What a heal moves: the state, and when semi-synchronous the carry of the last
+        sync (`_outer`)."""
+        return self._state if self._outer is None else (self._state, self._carry)
 
     def _load_state_dict(self, saved: dict) -> None:
         """A peer's state, placed as this group's own, for the next attempt; the loader moves
@@ -417,8 +553,12 @@ class Replicas:
                                                       self._state_fields)
         if self._mismatch is not None:
             return
-        self._healed = _exchange.from_host(self._state, _exchange.from_wire(saved["state"]))
-        self._state = self._healed
+        self._healed = _exchange.from_host(self._healable(),
+                                           _exchange.from_wire(saved["state"]))
+        if self._outer is None:
+            self._state = self._healed
+        else:
+            (self._state, self._carry), self._inner = self._healed, saved.get("inner", 0)
         if self.loader is not None and saved["loader"] is not None:
             self.loader.load_state_dict(saved["loader"])
             self._position = saved["loader"]
@@ -444,6 +584,21 @@ class Replicas:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _outer_of(sync_every: Any, outer: Any) -> _outer.Outer | None:
+    """`Replicas`'s `sync_every` and `outer`, checked."""
+    if sync_every is None:
+        if outer is not None:
+            raise ValueError("jdp.ft.Replicas: outer= needs sync_every=H (the steps between "
+                             "syncs); without it the groups sum gradients every step")
+        return None
+    sync_every = _values.integer(WHO, "sync_every", sync_every, minimum=1,
+                                 fix="the steps each group takes between syncs")
+    if outer is not None and not (hasattr(outer, "init") and hasattr(outer, "update")):
+        raise TypeError(f"jdp.ft.Replicas: outer={outer!r} is not an optax optimizer; pass "
+                        "e.g. optax.sgd(0.7, momentum=0.9, nesterov=True), or None (LocalSGD)")
+    return _outer.Outer(sync_every, outer)
 
 
 def _final(line: str) -> RuntimeError:

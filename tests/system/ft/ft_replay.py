@@ -57,3 +57,46 @@ def replay(steps: dict, groups: int, batch_size: int, width: int, lr: float,
         updates, opt_state = tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
     return jax.tree.map(np.asarray, params)
+
+
+def syncs(event_lists: list) -> dict:
+    """Semi-synchronous runs: commit -> (its groups, the groups' own steps done at it), merged
+    over every group's record (commit 1 is the start, at 0 steps)."""
+    merged: dict = {}
+    for evs in event_lists:
+        for e in evs:
+            if e["event"] == "commit":
+                seen = merged.setdefault(e["step"], (e["groups"], e["inner"]))
+                assert seen == (e["groups"], e["inner"]), f"commit {e['step']}: {seen}, {e}"
+    return merged
+
+
+def replay_syncs(record: dict, groups: int, batch_size: int, width: int, lr: float,
+                 outer=None) -> dict:
+    """The final parameters of LocalSGD (`outer` None) or DiLoCo (`outer`, an optax
+    optimizer) replayed on one device: at each recorded sync, every group in it takes plain
+    SGD steps from the last sync's parameters on the batches it read, then their parameters
+    are averaged (LocalSGD) or their mean `anchor - params` goes through `outer`."""
+    data, anchor = example.dataset(), example.init_params(width)
+    outer_state = outer.init(anchor) if outer is not None else None
+    grad = jax.jit(jax.grad(example.loss_fn))
+    done = 0
+    for commit in sorted(record)[1:]:
+        members, inner = record[commit]
+        finals = []
+        for g in members:
+            params = anchor
+            for step in range(done + 1, inner + 1):
+                rows = group_batch(g, groups, step, batch_size)
+                g_ = grad(params, {k: v[rows] for k, v in data.items()})
+                params = jax.tree.map(lambda p, d: p - lr * d, params, g_)
+            finals.append(params)
+        if outer is None:
+            anchor = jax.tree.map(lambda *ps: np.mean(np.stack(ps), 0), *finals)
+        else:
+            pseudo = jax.tree.map(lambda a, *ps: np.mean(np.stack([a - p for p in ps]), 0),
+                                  anchor, *finals)
+            updates, outer_state = outer.update(pseudo, outer_state, anchor)
+            anchor = optax.apply_updates(anchor, updates)
+        done = inner
+    return jax.tree.map(np.asarray, anchor)
