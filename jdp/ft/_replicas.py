@@ -37,6 +37,7 @@ from jdp.ft import (
     _exchange,
     _fingerprint,
     _manager,
+    _network,
     _outer,
     _record,
     _start,
@@ -115,7 +116,8 @@ class Replicas:
         self._quorum_timeout = quorum_timeout
         self._fields, self._problem = self._set_up(state, loader)
         self._fields["sync"] = "every step" if self._outer is None else self._outer.describe()
-        self._carry: tuple = ()       # DiLoCo's anchor and outer state (semi-synchronous)
+        # DiLoCo's anchor and outer state (semi-synchronous; placed now, as a heal's template)
+        self._carry: tuple = self._outer.start(state) if self._outer is not None else ()
         self._inner = 0               # this group's own steps done (semi-synchronous)
         self._num_steps = 0
         self._healed: Any = None      # a state (a peer's, or a sync's) for the next step call
@@ -125,6 +127,7 @@ class Replicas:
         self._epochs: Iterator | None = None
         self._ready = False           # a quorum was held for the attempt the step makes
         self._began = 0.0             # when the attempt began (its quorum)
+        self._blocked = 0.0           # seconds in quorums and exchanges since the last commit
         self._checked: Any = None     # the quorum whose fingerprints were compared last
         self._members: list = []      # the groups of that quorum
         self._verdict: str | None = None      # a difference seen at step 0, to raise
@@ -132,6 +135,7 @@ class Replicas:
         self._told: float | None = None       # when this group first saw the verdict
         self._said_fewer = False
         self.history: list = []       # (step, groups) of every step this group committed
+        self.sent = 0                 # bytes this process put into cross-group all-reduces
         self.groups: list = []        # the groups of the last attempt's all-reduce
         self.committed: bool | None = None
         self.torchft_log = _manager.torchft_log(self.coords.events, jax.process_index())
@@ -268,16 +272,14 @@ class Replicas:
         began = time.perf_counter()
         while True:
             state = self._initial(self._state)
-            self.groups = self._allreduce([])
-            self.committed = self._manager.should_commit()
+            self._vote([])
             if self.committed:
                 break
             self._discarded(time.perf_counter() - began, "its start")
             self._quorum()
         self._state, self._carry = state, self._outer.start(state)
         self.history.append((self.step, self.groups))
-        self._record("commit", step=self.step, groups=self.groups, inner=0,
-                     seconds=time.perf_counter() - began)
+        self._committed(inner=0, seconds=time.perf_counter() - began)
 
     def _own_step(self, gradients, update, state, batch):
         """One of the group's own steps; a sync when it ends a round (or the run)."""
@@ -308,15 +310,17 @@ class Replicas:
             self._quorum()
 
     def _sync_once(self) -> bool:
-        state, carry = self._state, self._carry
-        if self._healed is not None:   # healed in this quorum: the peer's, before its sync
+        state, carry, healed = self._state, self._carry, self._healed is not None
+        if healed:   # in this quorum: the peer's state before its sync, which it adds itself
             (state, carry), self._healed = self._healed, None
         tree = self._outer.exchanged(state, carry)
         plan = _buffers.Buffers.of(tree, (True,) * len(jax.tree.leaves(tree)))
         buffers = plan.flatten(tree)
         host = _buffers.to_host(buffers)
-        self.groups = self._allreduce(host)
-        self.committed = self._manager.should_commit()
+        if healed:   # so it adds nothing, and is not counted
+            for t in host:
+                t.zero_()
+        self._vote(host, member=not healed)
         seconds = time.perf_counter() - self._began
         self._state, self._carry = state, carry
         if not self.committed:
@@ -325,8 +329,7 @@ class Replicas:
         mean = plan.unflatten(_buffers.back(buffers, host), tree, len(self.groups))
         self._state, self._carry = self._outer.apply(state, mean, carry)
         self.history.append((self.step, self.groups))
-        self._record("commit", step=self.step, groups=self.groups, inner=self._inner,
-                     seconds=seconds)
+        self._committed(inner=self._inner, seconds=seconds)
         return True
 
     def _warm_up(self) -> None:
@@ -375,6 +378,16 @@ class Replicas:
                 print0(_start.waiting(rows, self._me), file=sys.stderr)
             time.sleep(POLL_S)
 
+    def _vote(self, host: list, member: bool = True) -> None:
+        """The all-reduce (`_allreduce`) and torchft's commit vote: `groups`, `committed`;
+        the seconds they took count as blocked on the other groups."""
+        began = time.perf_counter()
+        try:
+            self.groups = self._allreduce(host, member)
+            self.committed = self._manager.should_commit()
+        finally:
+            self._blocked += time.perf_counter() - began
+
     def _start_quorum(self) -> None:
         self._began = time.perf_counter()
         try:
@@ -384,6 +397,8 @@ class Replicas:
                 f"jdp.ft: no quorum within quorum_timeout={self._quorum_timeout:g} s from "
                 f"the Lighthouse at {self.coords.lighthouse}: is it running and reachable? "
                 "(its launcher then restarts this group's processes, --max_restarts)") from e
+        finally:
+            self._blocked += time.perf_counter() - self._began
 
     def _new_quorum(self) -> bool:
         """Is this quorum one whose fingerprints this group has not compared? Every group of
@@ -466,8 +481,7 @@ class Replicas:
         plan = _buffers.Buffers.of(tree, _divided(tree, mean))
         buffers = plan.flatten(tree)
         host = _buffers.to_host(buffers)
-        self.groups = self._allreduce(host)
-        self.committed = self._manager.should_commit()
+        self._vote(host)
         seconds = time.perf_counter() - self._began
         if not self.committed:
             self._discarded(seconds)
@@ -479,8 +493,15 @@ class Replicas:
         if self.loader is not None:   # the batches of the committed steps, all handed out
             self._position = self.loader.state_dict()
         self.history.append((self.step, self.groups))
-        self._record("commit", step=self.step, groups=self.groups, seconds=seconds)
+        self._committed(seconds=seconds)
         return self._state, metrics
+
+    def _committed(self, **fields: Any) -> None:
+        """Record a commit: its groups, the seconds blocked on the others since the last one
+        (quorums, all-reduces, votes), the bytes this process has sent in all."""
+        self._record("commit", step=self.step, groups=self.groups, **fields,
+                     blocked=self._blocked, sent=self.sent)
+        self._blocked = 0.0
 
     def _initial(self, state: Any) -> Any:
         """A fresh job's first step: every group takes the state of the quorum's lowest
@@ -509,23 +530,27 @@ class Replicas:
         print0(f"jdp.ft: group {self.coords.group} discarded its attempt at step "
                f"{self.step + 1} (groups {self._members}): {why}; {redo}", file=sys.stderr)
 
-    def _allreduce(self, host: list) -> list:
+    def _allreduce(self, host: list, member: bool = True) -> list:
         """`host`'s tensors summed in place over the quorum's groups, and which groups took
-        part: a one-hot row of this group's index rides in the same all-reduce, so the sum
-        names them."""
+        part: a one-hot row of this group's index (zeros when not a `member` of the sum)
+        rides in the same all-reduce, so the sum names them."""
         import torch
         from torch.distributed import ReduceOp
-        member = np.zeros(self.coords.groups, np.float32)
-        member[self.coords.group] = 1
-        works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM)
-                 for t in [*host, torch.from_numpy(member)]]
+        row = np.zeros(self.coords.groups, np.float32)
+        row[self.coords.group] = float(member)
+        tensors = [*host, torch.from_numpy(row)]
+        began = time.perf_counter()
+        works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
         for work in works:
             work.wait()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.sent += nbytes
+        _network.hold(_network.ready_at(began, nbytes, int(row.sum() or 1)))
         if self._manager.errored():
             # a group died during it: closing this process's links now fails the all-reduce
             # of every survivor still waiting in it, instead of at the next quorum
             self._pg.abort()
-        return [int(i) for i in np.flatnonzero(member > 0.5)]
+        return [int(i) for i in np.flatnonzero(row > 0.5)]
 
     def _state_dict(self) -> dict:
         """What a healing peer fetches (on torchft's quorum thread, while this process waits

@@ -16,8 +16,8 @@ from conftest import (
     mpirun_command,
     start_launcher,
 )
+from ft_groups import BATCH, EXAMPLE, LR, WIDTH, check_against_replay
 from test_fault_slurm import SRUN, slurm_ready
-from test_replica_groups import BATCH, EXAMPLE, LR, WIDTH, check_against_replay
 
 pytest.importorskip("torchft")
 STEPS = 20
