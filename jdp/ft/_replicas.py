@@ -115,9 +115,9 @@ class Replicas:
         self.start_timeout = start_timeout
         self._quorum_timeout = quorum_timeout
         self._fields, self._problem = self._set_up(state, loader)
-        self._fields["sync"] = "every step" if self._outer is None else self._outer.describe()
         # DiLoCo's anchor and outer state (semi-synchronous; placed now, as a heal's template)
         self._carry: tuple = self._outer.start(state) if self._outer is not None else ()
+        self._fields["sync"] = self._sync_text()
         self._inner = 0               # this group's own steps done (semi-synchronous)
         self._num_steps = 0
         self._healed: Any = None      # a state (a peer's, or a sync's) for the next step call
@@ -154,6 +154,15 @@ class Replicas:
             if line is None:
                 raise
             raise (_final(line) if self._me.past > 0 else RuntimeError(line)) from None
+
+    def _sync_text(self) -> str:
+        """The fingerprint's "sync": every step, or how and how often, and DiLoCo's outer
+        optimizer state (another outer optimizer is named, not met at a heal)."""
+        if self._outer is None:
+            return "every step"
+        if not self._carry:
+            return self._outer.describe()
+        return f"{self._outer.describe()}, outer {_fingerprint.tree_text(self._carry[1])}"
 
     def _min_groups(self, min_groups: int | None) -> int:
         if min_groups is None:

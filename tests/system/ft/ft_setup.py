@@ -33,6 +33,8 @@ def parse_args():
     p.add_argument("--step_time", type=float, default=0.0)
     p.add_argument("--init_shift", type=float, default=0.0,
                    help="added to every initial parameter (a group that initialised apart)")
+    p.add_argument("--sync_every", type=int, default=None)
+    p.add_argument("--diloco", action="store_true", help="with --sync_every: outer SGD(0.7)")
     p.add_argument("--out", default=None, help="the final parameters (.npz, process 0)")
     return p.parse_args()
 
@@ -50,7 +52,8 @@ def main() -> None:
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=tx), **layout)
     with jdp.ft.Replicas(state, loader, start_timeout=args.start_timeout,
                          quorum_timeout=args.quorum_timeout,
-                         min_groups=args.min_groups) as replicas:
+                         min_groups=args.min_groups, sync_every=args.sync_every,
+                         outer=optax.sgd(0.7) if args.diloco else None) as replicas:
         step = replicas.train_step(example.loss_fn, **layout)
         for batch in replicas.batches(args.steps):
             began = time.perf_counter()

@@ -106,11 +106,23 @@ def test_another_optimizer_is_named_with_both_trees(tmp_path, lighthouse):
      " on group 1"),
     ((["--steps", 20], {}), (["--steps", 30], {}),
      "differ in the num_steps: 20 on group 0, 30 on group 1"),
-], ids=["fsdp-2-vs-4-devices", "processes", "batch-size", "num-steps"])
+    ((["--sync_every", 5], {}), ([], {}),
+     "differ in the syncs (Replicas' sync_every and outer): LocalSGD, sync_every=5 on group 0, "
+     "every step on group 1"),
+], ids=["fsdp-2-vs-4-devices", "processes", "batch-size", "num-steps", "sync-every"])
 def test_a_difference_in_layout_or_data_is_named_on_every_group(tmp_path, lighthouse, a, b,
                                                                 words):
     line = run_pair(tmp_path, lighthouse, a, b)
     assert line == f"jdp.ft: replica groups 0 and 1 {words}; {FIX}", line
+
+
+def test_localsgd_beside_diloco_is_named_with_the_outer_optimizers_state(tmp_path, lighthouse):
+    line = run_pair(tmp_path, lighthouse, (["--sync_every", 5], {}),
+                    (["--sync_every", 5, "--diloco"], {}))
+    assert line.startswith("jdp.ft: replica groups 0 and 1 differ in the syncs (Replicas' "
+                           "sync_every and outer): LocalSGD, sync_every=5 on group 0, DiLoCo, "
+                           "sync_every=5, outer EmptyState"), line
+    assert line.endswith(f"on group 1; {FIX}"), line
 
 
 def test_replicated_beside_fsdp_is_named_by_the_step_options(tmp_path, lighthouse):
