@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -53,11 +54,13 @@ BIG_WIDTH = 65_536   # the example's MLP with 18 x 65,536 + 1 = 1.2M parameters
 # second at the first group's return.
 SIZES = {
     "tiny": dict(duration=20, every=10, steps=60, repeats=1, widths=(64,),
-                 heal_params=1_000_000, churn=1, exchange_params=1_000_000),
+                 heal_params=1_000_000, churn=1, exchange_params=1_000_000, far_steps=40),
     "quick": dict(duration=60, every=15, steps=200, repeats=2, widths=(BIG_WIDTH, 64),
-                  heal_params=50_000_000, churn=8, exchange_params=10_000_000),
+                  heal_params=50_000_000, churn=8, exchange_params=10_000_000,
+                  far_steps=200),
     "full": dict(duration=600, every=60, steps=400, repeats=3, widths=(BIG_WIDTH, 64),
-                 heal_params=50_000_000, churn=20, exchange_params=10_000_000)}
+                 heal_params=50_000_000, churn=20, exchange_params=10_000_000,
+                 far_steps=1000)}
 EXCHANGE_DEVICES = (2, 8)   # a group's process as in the FT jobs, and a GPU node's count
 
 
@@ -254,7 +257,39 @@ def exchange(params: int) -> list:
     return out
 
 
-PARTS = ("heal", "step", "goodput", "churn", "exchange")
+NETWORK = "1,0.01"   # the emulated link between groups far apart: 1 Gbit/s, 10 ms
+FAR_EVERY = 20
+FAR_MODES = (("synchronous", []),
+             (f"LocalSGD, H = {FAR_EVERY}", ["--sync_every", str(FAR_EVERY)]),
+             (f"DiLoCo, H = {FAR_EVERY}", ["--sync_every", str(FAR_EVERY), "--outer", "diloco"]),
+             ("alone (one sync, at the end)", None))
+FINAL = re.compile(r'\{"group": 0, .*\}')
+
+
+def far_apart(root: str, steps: int) -> list:
+    """The MNIST CNN on real digits (`--task mnist5k`, Adam 1e-3) under each of `FAR_MODES`
+    at the emulated `NETWORK`: per group-0 step, the seconds, the seconds blocked on the
+    other groups and the bytes sent, and the test loss after `steps` steps."""
+    out = []
+    modes = FAR_MODES if steps > 2 * FAR_EVERY else (FAR_MODES[0], *FAR_MODES[2:])   # tiny
+    for name, args in modes:
+        args = ["--sync_every", str(steps)] if args is None else args
+        job = ft_job(os.path.join(root, name.split(",")[0]),
+                     ["examples/fault_tolerant.py", "--task", "mnist5k", "--steps", str(steps),
+                      "--lr", "0.001", *args], restarts=0, env={"JDP_FT_NETWORK": NETWORK})
+        finish(job, 1800)
+        commits = [e for e in read(job.events[0]) if e["event"] == "commit"]
+        inner = [e.get("inner", e["step"]) for e in commits]
+        log = open(os.path.join(root, name.split(",")[0], "g0", "launcher.log")).read()
+        out.append({"mode": name, "steps": inner[-1],
+                    "step_s": (commits[-1]["time"] - commits[0]["time"]) / (inner[-1] - inner[0]),
+                    "blocked_s": sum(e["blocked"] for e in commits[1:]) / inner[-1],
+                    "bytes": commits[-1]["sent"] / inner[-1],
+                    **json.loads(FINAL.findall(log)[-1])})
+    return out
+
+
+PARTS = ("heal", "step", "goodput", "churn", "exchange", "far")
 
 
 def measure(size: dict, parts=PARTS) -> dict:
@@ -262,7 +297,8 @@ def measure(size: dict, parts=PARTS) -> dict:
     run = {"heal": lambda d: heal(d, size["heal_params"]),
            "step": lambda d: step_times(d, size), "goodput": lambda d: goodput(d, size),
            "churn": lambda d: churn(d, size),
-           "exchange": lambda d: exchange(size["exchange_params"])}
+           "exchange": lambda d: exchange(size["exchange_params"]),
+           "far": lambda d: far_apart(d, size["far_steps"])}
     with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
         return {part: run[part](os.path.join(root, part)) for part in parts}
 
@@ -348,6 +384,28 @@ def _exchange_rows(runs: list) -> list:
     return rows
 
 
+def _far_rows(runs: list) -> list:
+    sync, alone = runs[0], runs[-1]
+    return [[r["mode"], f"{r['bytes'] / 1e3:,.1f}", f"{r['bytes'] / sync['bytes']:.3f}",
+             f"{r['blocked_s'] * 1e3:.1f}", f"{r['blocked_s'] / r['step_s'] * 100:.1f} %",
+             f"{alone['step_s'] / r['step_s']:.2f}x", f"{r['test_loss']:.4f}",
+             f"{r['test_loss'] / sync['test_loss']:.2f}", f"{r['test_accuracy'] * 100:.1f} %"]
+            for r in runs]
+
+
+def render_far(runs: list) -> str:
+    """The "groups far apart" table: one row per mode."""
+    return (f"Groups far apart: 3 groups x 1 process x 2 CPU devices, `examples/fault_tolerant.py "
+            f"--task mnist5k` (the MNIST CNN with BatchNorm on 4,000 real digits, 16 per "
+            f"process, Adam 1e-3), {runs[0]['steps']} steps, `JDP_FT_NETWORK={NETWORK}` (1 "
+            f"Gbit/s, 10 ms between groups); figures per step of group 0. \"alone\": the same "
+            f"groups syncing once, at the end: the speed of groups that never wait (its loss "
+            f"is that of three models averaged once).\n\n"
+            + report.table(["mode", "KB sent per step", "/ synchronous",
+                            "ms blocked per step", "of a step", "steps/s vs alone",
+                            "test loss", "/ synchronous", "test accuracy"], _far_rows(runs)))
+
+
 def render(r: dict, size: dict) -> str:
     """The markdown: one table of the issue's four figures, then one row per kill."""
     rows = [*(_stall_rows(r["goodput"]) if "goodput" in r else []),
@@ -363,6 +421,7 @@ def render(r: dict, size: dict) -> str:
         [[i + 1, k["victim"], _s(k["stall_s"]), "no" if k.get("waited") else "yes",
           _s(k["heal_s"]), k["heal_step"]]
          for i, k in enumerate(kills)])
+    far = "\n" + render_far(r["far"]) if "far" in r else ""
     return (f"3 replica groups x 1 process x 2 CPU devices, each under its own `jdp.launch` "
             f"(`examples/fault_tolerant.py`, 16 examples per process, Adam); plain: one "
             f"`jdp.launch --nproc_per_node 3 --devices_per_process 2` job of the same model "
@@ -372,7 +431,7 @@ def render(r: dict, size: dict) -> str:
             f"{os.cpu_count()} CPU cores shared by all the processes.\n\n"
             + report.table(["figure", "measured", "target", "how"], rows)
             + ("\nKills in the FT goodput run (SIGKILL of the group's worker process):\n\n"
-               + per_kill if kills else ""))
+               + per_kill if kills else "") + far)
 
 
 def table(size: str = "quick") -> str:

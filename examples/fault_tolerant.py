@@ -64,6 +64,9 @@ def parse_args(argv=None):
                         help="FSDP within each group over this many devices (0: replicated)")
     parser.add_argument("--shard_optimizer", action="store_true", help="ZeRO within each group")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--task", choices=("linear", "mnist5k"), default="linear",
+                        help="a noisy linear map, or examples/mnist.py's CNN with BatchNorm "
+                             "on 4,000 real MNIST digits (the data extra), evaluated at the end")
     parser.add_argument("--sync_every", type=int, default=None,
                         help="steps each group takes alone between syncs (default: none)")
     parser.add_argument("--outer", choices=("localsgd", "diloco"), default="localsgd",
@@ -83,20 +86,36 @@ def outer_optimizer(args):
                      nesterov=bool(args.outer_momentum))
 
 
+def task(args) -> tuple:
+    """(train source, initial state, loss_fn, step options, the end's evaluation or None)."""
+    tx = optax.adam(args.lr) if args.optimizer == "adam" else optax.sgd(args.lr)
+    if args.task == "linear":
+        state = jdp.TrainState.create(apply_fn=None, params=init_params(args.width), tx=tx)
+        return jdp.data.ArraySource(dataset()), state, loss_fn, {}, None
+    import example_data  # the examples' data and the MNIST CNN, sibling modules
+    import mnist
+    variables = mnist.CNN().init(jax.random.key(0), jnp.zeros((1, 28, 28, 1), jnp.uint8),
+                                 train=False)
+    state = jdp.TrainState.create(apply_fn=mnist.CNN().apply, params=variables["params"],
+                                  tx=tx, model_state=variables["batch_stats"])
+    test = jdp.data.Loader(example_data.load("mnist5k", "test"), args.batch_size,
+                           sampler=jdp.data.DistributedSampler(1000, shuffle=False))
+    return (example_data.load("mnist5k", "train"), state, mnist.loss_fn, {"has_aux": True},
+            lambda s: mnist.evaluate(jdp.eval_step(mnist.metric_fn), s, test))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     jdp.initialize()
-    data = dataset()
-    loader = jdp.data.Loader(data, batch_size=args.batch_size,
-                             sampler=jdp.ft.sampler(EXAMPLES, seed=0), drop_last=True)
+    source, state, loss, options, evaluate = task(args)
+    loader = jdp.data.Loader(source, batch_size=args.batch_size,
+                             sampler=jdp.ft.sampler(len(source), seed=0), drop_last=True)
     layout = {"shard_params": args.shard_params or False,
               "shard_optimizer": args.shard_optimizer}
-    tx = optax.adam(args.lr) if args.optimizer == "adam" else optax.sgd(args.lr)
-    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=init_params(args.width),
-                                                tx=tx), **layout)
+    state = jdp.broadcast(state, **layout)
     with jdp.ft.Replicas(state, loader, sync_every=args.sync_every,
                          outer=outer_optimizer(args)) as replicas:
-        step = replicas.train_step(loss_fn, **layout)
+        step = replicas.train_step(loss, **options, **layout)
         for batch in replicas.batches(args.steps):
             began = time.perf_counter()
             state, metrics = step(state, batch)
@@ -110,6 +129,8 @@ def main(argv=None) -> None:
     if args.out and jax.process_index() == 0:
         np.savez(args.out, step=int(state.step), **params)
         jdp.print0(json.dumps({"final_step": int(state.step)}))
+    if evaluate is not None:
+        jdp.print0(json.dumps({"group": replicas.coords.group, **evaluate(state)}))
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ def another_lighthouse():
         server.shutdown()
 
 
-@pytest.mark.parametrize("outer", ["localsgd", "diloco"])
-@pytest.mark.parametrize("layout", [[], ["--shard_params", 2]], ids=["replicated", "fsdp"])
+@pytest.mark.parametrize("outer, layout", [("localsgd", []), ("diloco", ["--shard_params", 2])],
+                         ids=["localsgd-replicated", "diloco-fsdp"])
 def test_groups_train_as_a_replay_of_their_recorded_syncs(tmp_path, lighthouse, outer,
                                                           layout):
     steps, every = 23, 5   # the last round is 3 steps: the run's end syncs too
