@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdp.core._grads import model_state_field
+from jdp.core import model_state_field
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,8 +32,8 @@ def _group(loader, halves):
     group = object.__new__(_replicas.Replicas)
     quorums = []
     group.__dict__.update(
-        _halves=halves, _mean=True, _batch=None, _epochs=None, loader=loader, _fields={},
-        _ready=False, _state={"w": jnp.zeros((4,))},
+        _halves=halves, _mean=True, _outer=None, _batch=None, _epochs=None, loader=loader,
+        _fields={}, _ready=False, _state={"w": jnp.zeros((4,))},
         _manager=SimpleNamespace(current_step=lambda: 0),
         _quorum=lambda: quorums.append(len(EVENTS)))
     return group, quorums

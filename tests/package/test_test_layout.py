@@ -10,7 +10,7 @@ from conftest import REPO
 TESTS = pathlib.Path(REPO) / "tests"
 # what starts a process: a subprocess, the launcher, jdp.spawn, mpirun or srun
 STARTS = re.compile(r"subprocess\.|\bPopen\b|run_python\(|run_ranks\(|start_launcher\(|"
-                    r"jdp\.spawn\(|\bspawn\(|mpirun|\bsrun\b|\"jdp\.launch\"")
+                    r"start_group\(|jdp\.spawn\(|\bspawn\(|mpirun|\bsrun\b|\"jdp\.launch\"")
 
 
 def modules() -> list:
