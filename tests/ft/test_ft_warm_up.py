@@ -12,6 +12,8 @@ import pytest
 
 from jdp.ft import _buffers, _replicas
 
+torch = pytest.importorskip("torch")   # the exchange's host buffers are torch tensors
+
 COMPILED = "/jax/core/compile/backend_compile_duration"
 EVENTS: list = []
 jax.monitoring.register_event_duration_secs_listener(
