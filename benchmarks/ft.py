@@ -262,6 +262,9 @@ FAR_EVERY = 20
 FAR_MODES = (("synchronous", []),
              (f"LocalSGD, H = {FAR_EVERY}", ["--sync_every", str(FAR_EVERY)]),
              (f"DiLoCo, H = {FAR_EVERY}", ["--sync_every", str(FAR_EVERY), "--outer", "diloco"]),
+             (f"Streaming DiLoCo, H = {FAR_EVERY}, F = 4, tau = 2",
+              ["--sync_every", str(FAR_EVERY), "--outer", "diloco", "--fragments", "4",
+               "--overlap", "2"]),
              ("alone (one sync, at the end)", None))
 FINAL = re.compile(r'\{"group": 0, .*\}')
 
@@ -271,7 +274,7 @@ def far_apart(root: str, steps: int) -> list:
     at the emulated `NETWORK`: per group-0 step, the seconds, the seconds blocked on the
     other groups and the bytes sent, and the test loss after `steps` steps."""
     out = []
-    modes = FAR_MODES if steps > 2 * FAR_EVERY else (FAR_MODES[0], *FAR_MODES[2:])   # tiny
+    modes = FAR_MODES if steps > 2 * FAR_EVERY else (FAR_MODES[0], *FAR_MODES[3:])   # tiny
     for name, args in modes:
         args = ["--sync_every", str(steps)] if args is None else args
         job = ft_job(os.path.join(root, name.split(",")[0]),

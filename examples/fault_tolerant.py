@@ -14,7 +14,8 @@ heals from a live peer. Needs the `ft` extra (pip install 'jdp[ft]').
 
 With `--sync_every H` the groups sync every H steps instead (LocalSGD: parameters averaged;
 with `--outer diloco`, DiLoCo: the averaged `anchor - params` applied by SGD with Nesterov
-momentum, docs/faults.md "Groups far apart").
+momentum; `--fragments F --overlap T`: Streaming DiLoCo, the model in F parts synced at
+staggered steps, each sync overlapping T steps; docs/faults.md "Groups far apart").
 """
 import argparse
 import json
@@ -71,6 +72,10 @@ def parse_args(argv=None):
                         help="steps each group takes alone between syncs (default: none)")
     parser.add_argument("--outer", choices=("localsgd", "diloco"), default="localsgd",
                         help="with --sync_every: average the parameters, or DiLoCo")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="with --sync_every: sync the model in this many parts, staggered")
+    parser.add_argument("--overlap", type=int, default=0,
+                        help="with --sync_every: steps each sync's all-reduce runs beside")
     parser.add_argument("--outer_lr", type=float, default=0.7)
     parser.add_argument("--outer_momentum", type=float, default=0.9,
                         help="Nesterov momentum of DiLoCo's outer SGD (0: plain SGD)")
@@ -113,8 +118,9 @@ def main(argv=None) -> None:
     layout = {"shard_params": args.shard_params or False,
               "shard_optimizer": args.shard_optimizer}
     state = jdp.broadcast(state, **layout)
-    with jdp.ft.Replicas(state, loader, sync_every=args.sync_every,
-                         outer=outer_optimizer(args)) as replicas:
+    streaming = {"fragments": args.fragments, "overlap": args.overlap} if args.sync_every else {}
+    with jdp.ft.Replicas(state, loader, sync_every=args.sync_every, outer=outer_optimizer(args),
+                         **streaming) as replicas:
         step = replicas.train_step(loss, **options, **layout)
         for batch in replicas.batches(args.steps):
             began = time.perf_counter()

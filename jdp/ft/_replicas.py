@@ -84,6 +84,10 @@ class Replicas:
         outer: with `sync_every`, DiLoCo's outer optimizer (any optax one, e.g.
             `optax.sgd(0.7, momentum=0.9, nesterov=True)`), applied to the groups' mean of
             `anchor - params`; None: LocalSGD (the parameters averaged).
+        fragments, overlap: with `sync_every`, Streaming DiLoCo's schedule: the parameters'
+            leaves in `fragments` parts synced at staggered steps (one every `sync_every /
+            fragments`), each sync's all-reduce running while the group takes `overlap`
+            more steps (fewer than `sync_every / fragments`); `_outer` says how it merges.
 
     Example (in a script started by `jdp.launch --replica_group G ...`)::
 
@@ -97,9 +101,10 @@ class Replicas:
                  groups: int | None = None, lighthouse: str | None = None,
                  start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0,
                  timeout: float = _manager.OP_TIMEOUT_S, min_groups: int | None = None,
-                 sync_every: int | None = None, outer: Any = None):
+                 sync_every: int | None = None, outer: Any = None, fragments: int = 1,
+                 overlap: int = 0):
         require_job(WHO)
-        self._outer = _outer_of(sync_every, outer)
+        self._outer = _outer_of(sync_every, outer, fragments, overlap, state)
         start_timeout, quorum_timeout, timeout = (
             _values.seconds(WHO, name, value, maximum=_env.MAX_SECONDS, fix="a wait must end")
             for name, value in (("start_timeout", start_timeout),
@@ -119,6 +124,10 @@ class Replicas:
         self._carry: tuple = self._outer.start(state) if self._outer is not None else ()
         self._fields["sync"] = self._sync_text()
         self._inner = 0               # this group's own steps done (semi-synchronous)
+        self._pending: _Pending | None = None   # the sync whose all-reduce is in flight
+        self._phase: tuple | None = None        # (kind, fragment, merge_at) of the sync under
+        self._joined: tuple | None = None       # way, served to a heal; a peer's, healed from
+        self._joined_sent: Any = None           # and the fragment the peer sent
         self._num_steps = 0
         self._healed: Any = None      # a state (a peer's, or a sync's) for the next step call
         self._batch: Any = None       # the batch of the step under way, kept for a retry
@@ -268,11 +277,11 @@ class Replicas:
     def _begin(self) -> None:
         """A semi-synchronous group's first quorum. A fresh job agrees on the lowest group's
         state and commits it (the start is a sync: a group that dies before the first real
-        one heals like any other); a group coming back has healed from a peer at its sync
-        and takes part in it at once."""
+        one heals like any other); a group coming back has healed from a peer at one of its
+        syncs and takes part in that sync at once, as the peer does (`_join`)."""
         self._quorum()
         if self.step > 0:
-            self._sync_after_quorum()
+            self._join()
         else:
             self._commit_start()
         self._healed = self._state
@@ -290,8 +299,21 @@ class Replicas:
         self.history.append((self.step, self.groups))
         self._committed(inner=0, seconds=time.perf_counter() - began)
 
+    def _join(self) -> None:
+        """The sync the healing peer was at (`_phase`, served with its state): its exchange,
+        to which this group adds nothing, merged when the peer merges it."""
+        if self._joined is None:
+            raise RuntimeError("jdp.ft: this group healed from a peer that was at no sync")
+        kind, fragment, merge_at = self._joined
+        self._start_exchange(fragment, merge_at, self._joined_sent)
+        if merge_at <= self._inner or self._inner >= self._num_steps:
+            self._finish()
+        if self._inner >= self._num_steps:   # the peer is at the run's end: so is this group
+            self._final_syncs(fragment + 1 if kind == "final" else 0)
+
     def _own_step(self, gradients, update, state, batch):
-        """One of the group's own steps; a sync when it ends a round (or the run)."""
+        """One of the group's own steps; then the sync in flight merged when due, and a
+        fragment's sync started when due (every fragment's at the run's last step)."""
         if not self._ready:
             raise RuntimeError("Replicas: the step ran outside `for batch in "
                                "replicas.batches(num_steps)`, which holds each step's place")
@@ -302,44 +324,81 @@ class Replicas:
         self._state = update(state, grads, new_ms)
         self._batch, self._inner = None, self._inner + 1
         self.committed = True
-        if self._inner % self._outer.sync_every == 0 or self._inner >= self._num_steps:
-            self._sync()
+        if self._pending is not None and self._inner >= self._pending.merge_at:
+            self._finish()
+        if self._inner >= self._num_steps:
+            self._final_syncs(0)
+        elif (fragment := self._outer.due(self._inner)) is not None:
+            self._send(fragment, self._outer.overlap)
         return self._state, metrics
 
-    def _sync(self) -> None:
-        """A quorum, then the groups' exchange, until one commits (a discarded sync is redone
-        in the next quorum with the same parameters)."""
+    def _final_syncs(self, first: int) -> None:
+        """The run's end: what is in flight merged, then every fragment from `first` synced
+        without overlap, so every group ends with the same parameters."""
+        self._finish()
+        for fragment in range(first, self._outer.fragments):
+            self._send(fragment, 0, final=True)
+
+    def _send(self, fragment: int, overlap: int, final: bool = False) -> None:
+        """A quorum, then fragment `fragment`'s exchange started, merged after `overlap`
+        more steps (at once for 0)."""
         if self.loader is not None:   # what a group healing at this sync reads next
             self._position = self.loader.state_dict()
+        merge_at = self._inner + overlap
+        self._phase = ("final" if final else "send", fragment, merge_at)
         self._quorum()
-        self._sync_after_quorum()
+        self._start_exchange(fragment, merge_at)
+        if overlap == 0:
+            self._finish()
 
-    def _sync_after_quorum(self) -> None:
-        while not self._sync_once():
-            self._quorum()
+    def _start_exchange(self, fragment: int, merge_at: int, sent: Any = None) -> None:
+        """This group's part of fragment `fragment`'s all-reduce, started (`_Pending`). A
+        group healed in this quorum adds zeros and is not counted: it holds the peer's state,
+        which the peer adds itself."""
+        healed = self._healed is not None
+        if healed:
+            (self._state, self._carry), self._healed = self._healed, None
+        tree = self._outer.exchanged(self._state, self._carry, fragment)
+        if sent is None:
+            sent = self._outer.sent(self._state, fragment)
+        if merge_at > self._inner:   # steps come first, and a step may donate the state
+            tree, sent = _outer.copied((tree, sent))
+        self._pending = _Pending(fragment, merge_at, sent, tree, healed, self._inner)
+        self._issue(self._pending)
 
-    def _sync_once(self) -> bool:
-        state, carry, healed = self._state, self._carry, self._healed is not None
-        if healed:   # in this quorum: the peer's state before its sync, which it adds itself
-            (state, carry), self._healed = self._healed, None
-        tree = self._outer.exchanged(state, carry)
-        plan = _buffers.Buffers.of(tree, (True,) * len(jax.tree.leaves(tree)))
-        buffers = plan.flatten(tree)
-        host = _buffers.to_host(buffers)
-        if healed:   # so it adds nothing, and is not counted
-            for t in host:
+    def _issue(self, pending: _Pending) -> None:
+        pending.plan = _buffers.Buffers.of(pending.tree,
+                                           (True,) * len(jax.tree.leaves(pending.tree)))
+        pending.buffers = pending.plan.flatten(pending.tree)
+        pending.host = _buffers.to_host(pending.buffers)
+        if pending.healed:
+            for t in pending.host:
                 t.zero_()
-        self._vote(host, member=not healed)
-        seconds = time.perf_counter() - self._began
-        self._state, self._carry = state, carry
-        if not self.committed:
-            self._discarded(seconds, "the sync")
-            return False
-        mean = plan.unflatten(_buffers.back(buffers, host), tree, len(self.groups))
-        self._state, self._carry = self._outer.apply(state, mean, carry)
+        pending.reduce = self._allreduce_start(pending.host, member=not pending.healed)
+
+    def _finish(self) -> None:
+        """The sync in flight: its all-reduce waited for and voted on, redone in new quorums
+        with the same values until one commits, then merged (`_outer.Outer.apply`)."""
+        pending = self._pending
+        if pending is None:
+            return
+        while not self._vote_on(pending.reduce):
+            self._discarded(time.perf_counter() - self._began, "the sync")
+            self._phase = ("redo", pending.fragment, pending.merge_at)
+            self._quorum()
+            if self._healed is not None:   # behind a sync the others committed meanwhile:
+                self._pending = None       # healed, this group joins the sync they are at
+                self._join()
+                return
+            self._issue(pending)
+        mean = pending.plan.unflatten(_buffers.back(pending.buffers, pending.host),
+                                      pending.tree, len(self.groups))
+        self._state, self._carry = self._outer.apply(self._state, mean, self._carry,
+                                                     pending.fragment, pending.sent)
+        self._pending = None
         self.history.append((self.step, self.groups))
-        self._committed(inner=self._inner, seconds=seconds)
-        return True
+        self._committed(inner=pending.inner, merged=self._inner, fragment=pending.fragment,
+                        seconds=time.perf_counter() - self._began)
 
     def _warm_up(self) -> None:
         """Compile this group's step before its first quorum (the step from `train_step`,
@@ -356,11 +415,12 @@ class Replicas:
         plan = _buffers.Buffers.of(tree, _divided(tree, self._mean))
         grads, new_model_state, _ = plan.unflatten(plan.flatten(tree), tree, 1)
         update.lower(self._state, grads, new_model_state).compile()
-        if self._outer is not None:   # the sync's functions too, on copies
-            carry = self._outer.start(self._state)
-            tree = self._outer.exchanged(self._state, carry)
+        for fragment in range(self._outer.fragments if self._outer is not None else 0):
+            tree = self._outer.exchanged(self._state, self._carry, fragment)   # the syncs'
             plan = _buffers.Buffers.of(tree, (True,) * len(jax.tree.leaves(tree)))
-            self._outer.apply(self._state, plan.unflatten(plan.flatten(tree), tree, 1), carry)
+            mean = plan.unflatten(plan.flatten(tree), tree, 1)
+            self._outer.apply(self._state, mean, self._carry, fragment,
+                              self._outer.sent(self._state, fragment))
 
     def _next_batch(self) -> Any:
         if self._epochs is None:
@@ -388,14 +448,19 @@ class Replicas:
             time.sleep(POLL_S)
 
     def _vote(self, host: list, member: bool = True) -> None:
-        """The all-reduce (`_allreduce`) and torchft's commit vote: `groups`, `committed`;
-        the seconds they took count as blocked on the other groups."""
+        """The all-reduce of `host` and torchft's commit vote (`_vote_on`)."""
+        self._vote_on(self._allreduce_start(host, member))
+
+    def _vote_on(self, reduce: tuple) -> bool:
+        """An all-reduce started by `_allreduce_start` waited for, then torchft's commit vote:
+        `groups`, `committed`; the seconds they took count as blocked on the other groups."""
         began = time.perf_counter()
         try:
-            self.groups = self._allreduce(host, member)
+            self.groups = self._allreduce_wait(*reduce)
             self.committed = self._manager.should_commit()
         finally:
             self._blocked += time.perf_counter() - began
+        return self.committed
 
     def _start_quorum(self) -> None:
         self._began = time.perf_counter()
@@ -539,10 +604,10 @@ class Replicas:
         print0(f"jdp.ft: group {self.coords.group} discarded its attempt at step "
                f"{self.step + 1} (groups {self._members}): {why}; {redo}", file=sys.stderr)
 
-    def _allreduce(self, host: list, member: bool = True) -> list:
-        """`host`'s tensors summed in place over the quorum's groups, and which groups took
-        part: a one-hot row of this group's index (zeros when not a `member` of the sum)
-        rides in the same all-reduce, so the sum names them."""
+    def _allreduce_start(self, host: list, member: bool = True) -> tuple:
+        """`host`'s tensors' sum over the quorum's groups, in place, started: a one-hot row of
+        this group's index (zeros when not a `member` of the sum) rides in the same
+        all-reduce, so the sum names the groups in it. Returns what `_allreduce_wait` takes."""
         import torch
         from torch.distributed import ReduceOp
         row = np.zeros(self.coords.groups, np.float32)
@@ -550,10 +615,15 @@ class Replicas:
         tensors = [*host, torch.from_numpy(row)]
         began = time.perf_counter()
         works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
-        for work in works:
-            work.wait()
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.sent += nbytes
+        return works, row, began, nbytes
+
+    def _allreduce_wait(self, works: list, row: np.ndarray, began: float, nbytes: int) -> list:
+        """The groups in a started all-reduce's sum, once it ended (and the emulated link
+        would have carried it, `_network`)."""
+        for work in works:
+            work.wait()
         _network.hold(_network.ready_at(began, nbytes, int(row.sum() or 1)))
         if self._manager.errored():
             # a group died during it: closing this process's links now fails the all-reduce
@@ -570,8 +640,10 @@ class Replicas:
         wire = _exchange.to_wire(_exchange.to_host(self._healable()))
         if self._events is not None:   # the digest is for the record alone
             self._record("serve", step=self.step, digest=_exchange.digest(wire), began=began)
+        sent = None if self._pending is None else _exchange.to_wire(
+            _exchange.to_host(self._pending.sent))
         return {"state": wire, "loader": self._position, "fingerprint": self._state_fields,
-                "inner": self._inner}
+                "inner": self._inner, "phase": self._phase, "sent": sent}
 
     def _healable(self) -> Any:
         """What a heal moves: the state, and when semi-synchronous the carry of the last
@@ -592,7 +664,11 @@ class Replicas:
         if self._outer is None:
             self._state = self._healed
         else:
-            (self._state, self._carry), self._inner = self._healed, saved.get("inner", 0)
+            (self._state, self._carry), self._inner = self._healed, saved["inner"]
+            self._joined = saved["phase"]
+            self._joined_sent = None if saved["sent"] is None else _exchange.from_host(
+                self._outer.sent(self._state, self._joined[1]),
+                _exchange.from_wire(saved["sent"]))
         if self.loader is not None and saved["loader"] is not None:
             self.loader.load_state_dict(saved["loader"])
             self._position = saved["loader"]
@@ -620,19 +696,46 @@ class Replicas:
         self.close()
 
 
-def _outer_of(sync_every: Any, outer: Any) -> _outer.Outer | None:
-    """`Replicas`'s `sync_every` and `outer`, checked."""
+def _outer_of(sync_every: Any, outer: Any, fragments: Any, overlap: Any,
+              state: Any) -> _outer.Outer | None:
+    """`Replicas`'s `sync_every`, `outer`, `fragments` and `overlap`, checked."""
     if sync_every is None:
-        if outer is not None:
-            raise ValueError("jdp.ft.Replicas: outer= needs sync_every=H (the steps between "
-                             "syncs); without it the groups sum gradients every step")
+        if outer is not None or fragments != 1 or overlap != 0:
+            raise ValueError("jdp.ft.Replicas: outer=, fragments= and overlap= need "
+                             "sync_every=H (the steps between syncs); without it the groups "
+                             "sum gradients every step")
         return None
     sync_every = _values.integer(WHO, "sync_every", sync_every, minimum=1,
                                  fix="the steps each group takes between syncs")
     if outer is not None and not (hasattr(outer, "init") and hasattr(outer, "update")):
         raise TypeError(f"jdp.ft.Replicas: outer={outer!r} is not an optax optimizer; pass "
                         "e.g. optax.sgd(0.7, momentum=0.9, nesterov=True), or None (LocalSGD)")
-    return _outer.Outer(sync_every, outer)
+    leaves = len(jax.tree.leaves(getattr(state, "params", None)))
+    fragments = _values.integer(WHO, "fragments", fragments, minimum=1,
+                                maximum=max(1, min(sync_every, leaves)),
+                                fix="at most sync_every and the parameters' leaves")
+    if sync_every % fragments:
+        raise ValueError(f"jdp.ft.Replicas: sync_every={sync_every} is not a multiple of "
+                         f"fragments={fragments}; each fragment syncs every sync_every steps, "
+                         "one every sync_every / fragments")
+    stride = sync_every // fragments
+    overlap = _values.integer(WHO, "overlap", overlap, minimum=0, maximum=stride - 1,
+                              fix=f"fewer steps than between two fragments' syncs ({stride})")
+    return _outer.Outer(sync_every, outer, fragments, overlap)
+
+
+class _Pending:
+    """A fragment's sync under way: what was sent and when it merges, its buffers and the
+    started all-reduce (`Replicas._issue`)."""
+
+    def __init__(self, fragment: int, merge_at: int, sent: list, tree: tuple, healed: bool,
+                 inner: int):
+        self.fragment, self.merge_at, self.sent, self.tree = fragment, merge_at, sent, tree
+        self.healed, self.inner = healed, inner
+        self.plan: Any = None
+        self.buffers: list = []
+        self.host: list = []
+        self.reduce: tuple = ()
 
 
 def _final(line: str) -> RuntimeError:

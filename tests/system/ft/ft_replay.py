@@ -100,3 +100,64 @@ def replay_syncs(record: dict, groups: int, batch_size: int, width: int, lr: flo
             anchor = optax.apply_updates(anchor, updates)
         done = inner
     return jax.tree.map(np.asarray, anchor)
+
+
+def commits(event_lists: list) -> list:
+    """Every commit of a semi-synchronous run once, in order: (groups, the step it was sent
+    at, the step it merged at, its fragment); the groups' records must agree."""
+    merged: dict = {}
+    for evs in event_lists:
+        for e in evs:
+            if e["event"] == "commit":
+                row = (e["groups"], e["inner"], e.get("merged", e["inner"]),
+                       e.get("fragment", 0))
+                assert merged.setdefault(e["step"], row) == row, (merged[e["step"]], e)
+    return [merged[c] for c in sorted(merged)]
+
+
+def replay_streaming(record: list, groups: int, batch_size: int, width: int, lr: float,
+                     parts: tuple, outer=None) -> dict:
+    """Streaming LocalSGD or DiLoCo replayed on one device, every group in every sync (no
+    kills): each group's own SGD trajectory; a fragment's sync takes the groups' fragments at
+    the step it was sent, averages them (or their `anchor - params` through `outer`), and at
+    the step it merged at sets each group's fragment to the result plus the group's own change
+    since it sent."""
+    data, init = example.dataset(), example.init_params(width)
+    leaves, treedef = jax.tree.flatten(init)
+    anchor = [np.asarray(x) for x in leaves]
+    states = [outer.init([anchor[i] for i in part]) for part in parts] if outer else None
+    params = {g: list(anchor) for g in range(groups)}
+    grad = jax.jit(jax.grad(example.loss_fn))
+    sent: dict = {}
+    last = max(merged for _, _, merged, _ in record)
+    for step in range(1, last + 1):
+        for g in range(groups):
+            rows = group_batch(g, groups, step, batch_size)
+            d = jax.tree.leaves(grad(jax.tree.unflatten(treedef, params[g]),
+                                     {k: v[rows] for k, v in data.items()}))
+            params[g] = [p - lr * x for p, x in zip(params[g], d, strict=True)]
+        for c, (members, inner, merged, f) in enumerate(record):
+            if inner == step and inner > 0:
+                assert members == list(range(groups)), (c, members)
+                sent[c] = {g: [params[g][i] for i in parts[f]] for g in range(groups)}
+            if merged == step and inner > 0:
+                result = _fragment_result(sent[c], [anchor[i] for i in parts[f]], outer,
+                                          states, f)
+                if outer is not None:
+                    result, states[f] = result
+                    for i, value in zip(parts[f], result, strict=True):
+                        anchor[i] = value
+                for g in range(groups):
+                    for i, r, s in zip(parts[f], result, sent[c][g], strict=True):
+                        params[g][i] = r + (params[g][i] - s)
+    return dict(zip(sorted(init), (np.asarray(x) for x in params[0]), strict=True))
+
+
+def _fragment_result(sent: dict, anchor: list, outer, states, f):
+    """LocalSGD: the groups' mean fragment; DiLoCo: (the outer step's new anchor, its state)."""
+    if outer is None:
+        return [np.mean(np.stack([sent[g][j] for g in sent]), 0) for j in range(len(anchor))]
+    pseudo = [np.mean(np.stack([anchor[j] - sent[g][j] for g in sent]), 0)
+              for j in range(len(anchor))]
+    updates, state = outer.update(pseudo, states[f], anchor)
+    return [np.asarray(x) for x in optax.apply_updates(anchor, updates)], state

@@ -5,6 +5,7 @@ optimizer is SGD(1) is LocalSGD; a group's own layout (FSDP) changes nothing. Th
 test_kills.py."""
 import contextlib
 
+import fault_tolerant as example
 import ft_replay
 import numpy as np
 import optax
@@ -77,3 +78,23 @@ def test_diloco_whose_outer_step_is_sgd_1_is_localsgd(tmp_path, lighthouse):
                         [*common, "--outer", "diloco", "--outer_lr", 1, "--outer_momentum", 0])
     for name in local.files:
         np.testing.assert_allclose(diloco[name], local[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("outer", ["localsgd", "diloco"])
+def test_streaming_fragments_overlapped_equal_a_replay(tmp_path, lighthouse, outer):
+    """Streaming (`--fragments 2 --overlap 2`, H = 8): each fragment synced every 8 steps,
+    staggered by 4, merged 2 steps after it was sent, and every fragment again at the end."""
+    steps, every, fragments, overlap = 22, 8, 2, 2
+    final, events = run(tmp_path, lighthouse, [
+        "--steps", steps, "--sync_every", every, "--fragments", fragments, "--overlap",
+        overlap, "--optimizer", "sgd", "--outer", outer])
+    record = ft_replay.commits(events)
+    sends = [(inner, merged, f) for _, inner, merged, f in record[1:]]
+    assert sends == [(4, 6, 0), (8, 10, 1), (12, 14, 0), (16, 18, 1), (20, 22, 0),
+                     (22, 22, 0), (22, 22, 1)], sends
+    from jdp.ft._outer import Outer
+    parts = Outer(every, None, fragments).parts(example.init_params(WIDTH))
+    tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer == "diloco" else None
+    want = ft_replay.replay_streaming(record, GROUPS, BATCH, WIDTH, LR, parts, tx)
+    for name, value in want.items():
+        np.testing.assert_allclose(final[name], value, atol=1e-6, rtol=0)

@@ -200,3 +200,33 @@ def test_five_kills_of_semi_synchronous_groups_cost_no_restart_and_replay(tmp_pa
         assert all(f[name].tobytes() == finals[0][name].tobytes() for f in finals)
         np.testing.assert_allclose(finals[0][name], value, atol=1e-6, rtol=0)
     print(json.dumps(kills))
+
+
+def test_five_kills_of_streaming_groups_cost_no_restart_and_end_as_one_model(tmp_path, tag):
+    """Streaming DiLoCo (`--sync_every 20 --fragments 4 --overlap 2`: a fragment's sync in
+    flight about 2 of every 5 steps), five kills at random moments: the survivors never
+    restart, every heal arrives bitwise, every commit is recorded alike by every group in it,
+    and the groups end with the same bits. (Against a single-device replay: the runs without
+    kills in test_ft_semisync.py, and the DiLoCo test above.)"""
+    steps = 2000
+    rng = random.Random(11)
+    extra = ["--sync_every", 20, "--fragments", 4, "--overlap", 2, "--optimizer", "sgd",
+             "--outer", "diloco"]
+    kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng, commits=3),
+                            steps=steps, extra=extra)
+    for g in range(GROUPS):
+        pids = [e["pid"] for e in events[g] if e["event"] == "join"]
+        killed = [k["pid"] for k in kills if k["group"] == g]
+        assert pids[:-1] == killed and len(set(pids)) == len(pids), (g, pids, killed)
+    served = {(e["step"], e["digest"]) for evs in events for e in evs if e["event"] == "serve"}
+    heals = [e for evs in events for e in evs if e["event"] == "heal"]
+    assert len(heals) >= 5 and all((h["step"], h["digest"]) in served for h in heals), heals
+    record = ft_replay.commits(events)
+    assert record[-4:] == [(record[-4][0], steps, steps, f) for f in range(4)]   # the end
+    finals = [np.load(tmp_path / f"p{g}.npz") for g in range(GROUPS)]
+    for name in finals[0].files:
+        assert all(f[name].tobytes() == finals[0][name].tobytes() for f in finals), name
+    in_flight = [k for k in kills if any(
+        e["event"] == "commit" and e["time"] - e["seconds"] <= k["time"] <= e["time"]
+        for evs in events for e in evs)]
+    print(json.dumps({"kills": kills, "during_a_sync": len(in_flight)}))
