@@ -223,7 +223,9 @@ class Replicas:
         """`jdp.train_step(loss_fn, **options)` whose gradient is summed over the groups in
         the quorum: `step(state, batch) -> (state, metrics)`. A discarded attempt returns the
         state it was given (`replicas.committed` is False); after a heal the step starts
-        from the peer's state, whatever state it is given."""
+        from the peer's state, whatever state it is given. With `sync_every` every step
+        goes on from the group's own state (`replicas.state`), which syncs and heals
+        replace; pass back the state the step returned."""
         gradients, update = split_train_step(loss_fn, **options)
         self._halves = gradients, update
         mean = self._mean = options.get("grad_reduce", "mean") == "mean"
@@ -253,26 +255,25 @@ class Replicas:
             return
         while self.step < num_steps:
             self._quorum()
-            if self._batch is None:
-                self._batch = self._next_batch()
-            self._ready = True
-            yield self._batch
-            if self._ready:
-                raise RuntimeError("Replicas.batches: a batch went by without a step; call "
-                                   "the step from replicas.train_step once per batch")
+            yield from self._hand_out()
+
+    def _hand_out(self) -> Iterator:
+        """The batch of the step under way (the same again after a discarded attempt), for
+        exactly one call of the step."""
+        if self._batch is None:
+            self._batch = self._next_batch()
+        self._ready = True
+        yield self._batch
+        if self._ready:
+            raise RuntimeError("Replicas.batches: a batch went by without a step; call "
+                               "the step from replicas.train_step once per batch")
 
     def _rounds(self, num_steps: int) -> Iterator:
         """Semi-synchronous: the group's own steps, a sync after every `sync_every` of them
         and after the last (inside the step call, `_own_step`); a quorum only at a sync."""
         self._begin()
         while self._inner < num_steps:
-            if self._batch is None:
-                self._batch = self._next_batch()
-            self._ready = True
-            yield self._batch
-            if self._ready:
-                raise RuntimeError("Replicas.batches: a batch went by without a step; call "
-                                   "the step from replicas.train_step once per batch")
+            yield from self._hand_out()
 
     def _begin(self) -> None:
         """A semi-synchronous group's first quorum. A fresh job agrees on the lowest group's
@@ -284,7 +285,6 @@ class Replicas:
             self._join()
         else:
             self._commit_start()
-        self._healed = self._state
 
     def _commit_start(self) -> None:
         began = time.perf_counter()
@@ -304,8 +304,8 @@ class Replicas:
         to which this group adds nothing, merged when the peer merges it."""
         if self._joined is None:
             raise RuntimeError("jdp.ft: this group healed from a peer that was at no sync")
-        kind, fragment, merge_at = self._joined
-        self._start_exchange(fragment, merge_at, self._joined_sent)
+        kind, fragment, merge_at, sent_at = self._joined
+        self._start_exchange(fragment, merge_at, self._joined_sent, sent_at)
         if merge_at <= self._inner or self._inner >= self._num_steps:
             self._finish()
         if self._inner >= self._num_steps:   # the peer is at the run's end: so is this group
@@ -318,8 +318,7 @@ class Replicas:
             raise RuntimeError("Replicas: the step ran outside `for batch in "
                                "replicas.batches(num_steps)`, which holds each step's place")
         self._ready = False
-        if self._healed is not None:
-            state, self._healed = self._healed, None
+        state = self._state   # the group's own: a sync or a heal may have replaced it
         grads, new_ms, metrics = gradients(state, batch)
         self._state = update(state, grads, new_ms)
         self._batch, self._inner = None, self._inner + 1
@@ -337,21 +336,28 @@ class Replicas:
         without overlap, so every group ends with the same parameters."""
         self._finish()
         for fragment in range(first, self._outer.fragments):
-            self._send(fragment, 0, final=True)
+            if self._send(fragment, 0, final=True):
+                return   # joined the others' end, which syncs the rest
 
-    def _send(self, fragment: int, overlap: int, final: bool = False) -> None:
+    def _send(self, fragment: int, overlap: int, final: bool = False) -> bool:
         """A quorum, then fragment `fragment`'s exchange started, merged after `overlap`
-        more steps (at once for 0)."""
+        more steps (at once for 0). True when torchft healed this group in the quorum (it
+        was a sync behind): it then joined the sync the others are at instead."""
         if self.loader is not None:   # what a group healing at this sync reads next
             self._position = self.loader.state_dict()
         merge_at = self._inner + overlap
-        self._phase = ("final" if final else "send", fragment, merge_at)
+        self._phase = ("final" if final else "send", fragment, merge_at, self._inner)
         self._quorum()
+        if self._healed is not None:
+            self._join()
+            return True
         self._start_exchange(fragment, merge_at)
         if overlap == 0:
             self._finish()
+        return False
 
-    def _start_exchange(self, fragment: int, merge_at: int, sent: Any = None) -> None:
+    def _start_exchange(self, fragment: int, merge_at: int, sent: Any = None,
+                        sent_at: int | None = None) -> None:
         """This group's part of fragment `fragment`'s all-reduce, started (`_Pending`). A
         group healed in this quorum adds zeros and is not counted: it holds the peer's state,
         which the peer adds itself."""
@@ -363,7 +369,8 @@ class Replicas:
             sent = self._outer.sent(self._state, fragment)
         if merge_at > self._inner:   # steps come first, and a step may donate the state
             tree, sent = _outer.copied((tree, sent))
-        self._pending = _Pending(fragment, merge_at, sent, tree, healed, self._inner)
+        self._pending = _Pending(fragment, merge_at, sent, tree, healed,
+                                 self._inner if sent_at is None else sent_at)
         self._issue(self._pending)
 
     def _issue(self, pending: _Pending) -> None:
@@ -384,7 +391,7 @@ class Replicas:
             return
         while not self._vote_on(pending.reduce):
             self._discarded(time.perf_counter() - self._began, "the sync")
-            self._phase = ("redo", pending.fragment, pending.merge_at)
+            self._phase = ("redo", pending.fragment, pending.merge_at, pending.inner)
             self._quorum()
             if self._healed is not None:   # behind a sync the others committed meanwhile:
                 self._pending = None       # healed, this group joins the sync they are at

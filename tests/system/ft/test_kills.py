@@ -93,6 +93,18 @@ def run_job(tmp_path, tag, kill, **sizes):
     return kills, [group_events(tmp_path, g) for g in range(GROUPS)]
 
 
+def survivors_kept_and_heals_bitwise(events, kills) -> None:
+    """Each group's worker changes only at its own kills (no survivor restarts), and at
+    least five heals each arrived with the digest a live source served at that step."""
+    for g in range(GROUPS):
+        pids = [e["pid"] for e in events[g] if e["event"] == "join"]
+        killed = [k["pid"] for k in kills if k["group"] == g]
+        assert pids[:-1] == killed and len(set(pids)) == len(pids), (g, pids, killed)
+    served = {(e["step"], e["digest"]) for evs in events for e in evs if e["event"] == "serve"}
+    heals = [e for evs in events for e in evs if e["event"] == "heal"]
+    assert len(heals) >= 5 and all((h["step"], h["digest"]) in served for h in heals), heals
+
+
 def check_heals_and_replay(tmp_path, events, steps=STEPS, width=WIDTH, replay=True):
     """Every heal's digest is one a live source served at that step; every step committed
     once with one group set; the final parameters the same bits on every group and (`replay`)
@@ -116,10 +128,7 @@ def check_heals_and_replay(tmp_path, events, steps=STEPS, width=WIDTH, replay=Tr
 def test_five_kills_cost_steps_not_restarts_and_heals_arrive_bitwise(tmp_path, tag):
     rng = random.Random(42)
     kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng))
-    for g in range(GROUPS):   # workers change only at their own kills: survivors never restart
-        pids = [e["pid"] for e in events[g] if e["event"] == "join"]
-        killed = [k["pid"] for k in kills if k["group"] == g]
-        assert pids[:-1] == killed and len(set(pids)) == len(pids), (g, pids, killed)
+    survivors_kept_and_heals_bitwise(events, kills)
     heals, history = check_heals_and_replay(tmp_path, events)
     assert len(heals) >= 5
     assert any(len(groups) < GROUPS for groups in history.values())
@@ -183,13 +192,7 @@ def test_five_kills_of_semi_synchronous_groups_cost_no_restart_and_replay(tmp_pa
              "--outer_momentum", 0.5]
     kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng, commits=3),
                             steps=steps, extra=extra)
-    for g in range(GROUPS):
-        pids = [e["pid"] for e in events[g] if e["event"] == "join"]
-        killed = [k["pid"] for k in kills if k["group"] == g]
-        assert pids[:-1] == killed and len(set(pids)) == len(pids), (g, pids, killed)
-    served = {(e["step"], e["digest"]) for evs in events for e in evs if e["event"] == "serve"}
-    heals = [e for evs in events for e in evs if e["event"] == "heal"]
-    assert len(heals) >= 5 and all((h["step"], h["digest"]) in served for h in heals), heals
+    survivors_kept_and_heals_bitwise(events, kills)
     record = ft_replay.syncs(events)
     assert [record[c][1] for c in sorted(record)] == [0, *range(every, steps + 1, every)]
     assert any(len(groups) < GROUPS for groups, _ in record.values())
@@ -214,13 +217,7 @@ def test_five_kills_of_streaming_groups_cost_no_restart_and_end_as_one_model(tmp
              "--outer", "diloco"]
     kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng, commits=3),
                             steps=steps, extra=extra)
-    for g in range(GROUPS):
-        pids = [e["pid"] for e in events[g] if e["event"] == "join"]
-        killed = [k["pid"] for k in kills if k["group"] == g]
-        assert pids[:-1] == killed and len(set(pids)) == len(pids), (g, pids, killed)
-    served = {(e["step"], e["digest"]) for evs in events for e in evs if e["event"] == "serve"}
-    heals = [e for evs in events for e in evs if e["event"] == "heal"]
-    assert len(heals) >= 5 and all((h["step"], h["digest"]) in served for h in heals), heals
+    survivors_kept_and_heals_bitwise(events, kills)
     record = ft_replay.commits(events)
     assert record[-4:] == [(record[-4][0], steps, steps, f) for f in range(4)]   # the end
     finals = [np.load(tmp_path / f"p{g}.npz") for g in range(GROUPS)]
