@@ -105,6 +105,7 @@ class Replicas:
                  overlap: int = 0):
         require_job(WHO)
         self._outer = _outer_of(sync_every, outer, fragments, overlap, state)
+        self._link = _network.link()   # an emulated slow link, checked now
         start_timeout, quorum_timeout, timeout = (
             _values.seconds(WHO, name, value, maximum=_env.MAX_SECONDS, fix="a wait must end")
             for name, value in (("start_timeout", start_timeout),
@@ -125,11 +126,13 @@ class Replicas:
         self._fields["sync"] = self._sync_text()
         self._inner = 0               # this group's own steps done (semi-synchronous)
         self._pending: _Pending | None = None   # the sync whose all-reduce is in flight
-        self._phase: tuple | None = None        # (kind, fragment, merge_at) of the sync under
-        self._joined: tuple | None = None       # way, served to a heal; a peer's, healed from
-        self._joined_sent: Any = None           # and the fragment the peer sent
+        # (kind, fragment, merge_at, sent_at) of the sync under way, served to a heal; a
+        # peer's, healed from, and the fragment that peer sent
+        self._phase: tuple | None = None
+        self._joined: tuple | None = None
+        self._joined_sent: Any = None
         self._num_steps = 0
-        self._healed: Any = None      # a state (a peer's, or a sync's) for the next step call
+        self._healed: Any = None      # a peer's state, placed (with the carry when semi-sync)
         self._batch: Any = None       # the batch of the step under way, kept for a retry
         self._halves: tuple | None = None     # train_step's (gradients, update)
         self._mean = True                     # and whether its gradients are averaged
@@ -374,8 +377,7 @@ class Replicas:
         self._issue(self._pending)
 
     def _issue(self, pending: _Pending) -> None:
-        pending.plan = _buffers.Buffers.of(pending.tree,
-                                           (True,) * len(jax.tree.leaves(pending.tree)))
+        pending.plan = _buffers.Buffers.of(pending.tree, _averaged(pending.tree))
         pending.buffers = pending.plan.flatten(pending.tree)
         pending.host = _buffers.to_host(pending.buffers)
         if pending.healed:
@@ -424,7 +426,7 @@ class Replicas:
         update.lower(self._state, grads, new_model_state).compile()
         for fragment in range(self._outer.fragments if self._outer is not None else 0):
             tree = self._outer.exchanged(self._state, self._carry, fragment)   # the syncs'
-            plan = _buffers.Buffers.of(tree, (True,) * len(jax.tree.leaves(tree)))
+            plan = _buffers.Buffers.of(tree, _averaged(tree))
             mean = plan.unflatten(plan.flatten(tree), tree, 1)
             self._outer.apply(self._state, mean, self._carry, fragment,
                               self._outer.sent(self._state, fragment))
@@ -631,7 +633,7 @@ class Replicas:
         would have carried it, `_network`)."""
         for work in works:
             work.wait()
-        _network.hold(_network.ready_at(began, nbytes, int(row.sum() or 1)))
+        _network.hold(_network.ready_at(self._link, began, nbytes, int(row.sum() or 1)))
         if self._manager.errored():
             # a group died during it: closing this process's links now fails the all-reduce
             # of every survivor still waiting in it, instead of at the next quorum
@@ -774,6 +776,11 @@ def sampler(num_examples: int, *, shuffle: bool = True, seed: int = 0, drop_last
 def _forever(loader: Any) -> Iterator:
     while True:
         yield from loader
+
+
+def _averaged(tree: Any) -> tuple:
+    """Per leaf of a sync's exchange, divided by the groups' count: every one (a mean)."""
+    return (True,) * len(jax.tree.leaves(tree))
 
 
 def _divided(tree: tuple, mean: bool) -> tuple:

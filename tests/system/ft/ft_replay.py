@@ -16,16 +16,21 @@ def events(path: pathlib.Path) -> list:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def history(event_lists: list) -> dict:
-    """step -> the groups that committed it, merged over every group's record; a step
-    recorded with two different group sets is a failure of the test."""
+def _merged(event_lists: list, row) -> dict:
+    """step -> `row(commit event)`, merged over every group's record; a step recorded two
+    ways is a failure of the test."""
     merged: dict = {}
     for evs in event_lists:
         for e in evs:
             if e["event"] == "commit":
-                seen = merged.setdefault(e["step"], e["groups"])
-                assert seen == e["groups"], f"step {e['step']}: groups {seen} and {e['groups']}"
+                seen = merged.setdefault(e["step"], row(e))
+                assert seen == row(e), f"step {e['step']}: {seen} and {row(e)} ({e})"
     return merged
+
+
+def history(event_lists: list) -> dict:
+    """step -> the groups that committed it, merged over every group's record."""
+    return _merged(event_lists, lambda e: e["groups"])
 
 
 def group_batch(group: int, groups: int, step: int, batch_size: int,
@@ -62,13 +67,7 @@ def replay(steps: dict, groups: int, batch_size: int, width: int, lr: float,
 def syncs(event_lists: list) -> dict:
     """Semi-synchronous runs: commit -> (its groups, the groups' own steps done at it), merged
     over every group's record (commit 1 is the start, at 0 steps)."""
-    merged: dict = {}
-    for evs in event_lists:
-        for e in evs:
-            if e["event"] == "commit":
-                seen = merged.setdefault(e["step"], (e["groups"], e["inner"]))
-                assert seen == (e["groups"], e["inner"]), f"commit {e['step']}: {seen}, {e}"
-    return merged
+    return _merged(event_lists, lambda e: (e["groups"], e["inner"]))
 
 
 def replay_syncs(record: dict, groups: int, batch_size: int, width: int, lr: float,
@@ -105,13 +104,8 @@ def replay_syncs(record: dict, groups: int, batch_size: int, width: int, lr: flo
 def commits(event_lists: list) -> list:
     """Every commit of a semi-synchronous run once, in order: (groups, the step it was sent
     at, the step it merged at, its fragment); the groups' records must agree."""
-    merged: dict = {}
-    for evs in event_lists:
-        for e in evs:
-            if e["event"] == "commit":
-                row = (e["groups"], e["inner"], e.get("merged", e["inner"]),
-                       e.get("fragment", 0))
-                assert merged.setdefault(e["step"], row) == row, (merged[e["step"]], e)
+    merged = _merged(event_lists, lambda e: (e["groups"], e["inner"], e.get("merged", e["inner"]),
+                                             e.get("fragment", 0)))
     return [merged[c] for c in sorted(merged)]
 
 
