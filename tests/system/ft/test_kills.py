@@ -180,12 +180,17 @@ def test_a_heal_whose_source_dies_mid_transfer_heals_from_another_peer(tmp_path,
 
 def test_five_kills_of_semi_synchronous_groups_cost_no_restart_and_replay(tmp_path, tag):
     """DiLoCo (`--sync_every 10 --outer diloco`, plain SGD inside the groups, outer SGD with
-    Nesterov momentum 0.5: 0.9 would amplify float32 rounding past 1e-6 over 200 outer
-    steps; test_ft_semisync.py runs 0.9), five kills at
-    random moments: the survivors never restart, every heal (at a sync, with the anchor and
-    the outer optimizer's state) arrives bitwise, every sync commits once with one group set,
-    and the final parameters are the same bits on every group and equal a single-device
-    replay of the recorded syncs (`ft_replay.replay_syncs`)."""
+    Nesterov momentum 0.5; test_ft_semisync.py runs 0.9), five kills at random moments: the
+    survivors never restart, every heal (at a sync, with the anchor and the outer optimizer's
+    state) arrives bitwise, every sync commits once with one group set, and the final
+    parameters are the same bits on every group and equal a single-device replay of the
+    recorded syncs (`ft_replay.replay_syncs`).
+
+    The replay's tolerance is 1e-6 plus 1e-5 of the value: the groups' compiled steps and
+    gloo's ring (which adds the groups in an order that depends on the chunk) round otherwise
+    than the replay, and 200 outer steps with momentum carry that to 1.4e-6 on an entry of
+    0.47 (seen once in CI; 5e-7 to 7e-7 is typical). One sync recorded with a group missing
+    moves the final parameters by 4e-4 to 3e-3."""
     steps, every = 2000, 10
     rng = random.Random(7)
     extra = ["--sync_every", every, "--optimizer", "sgd", "--outer", "diloco",
@@ -201,7 +206,7 @@ def test_five_kills_of_semi_synchronous_groups_cost_no_restart_and_replay(tmp_pa
     want = ft_replay.replay_syncs(record, GROUPS, BATCH, WIDTH, LR, outer)
     for name, value in want.items():
         assert all(f[name].tobytes() == finals[0][name].tobytes() for f in finals)
-        np.testing.assert_allclose(finals[0][name], value, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(finals[0][name], value, atol=1e-6, rtol=1e-5)
     print(json.dumps(kills))
 
 
