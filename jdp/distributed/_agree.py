@@ -29,6 +29,7 @@ prints it and exits 1 rather than being aborted later in a collective or at exit
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -290,7 +291,11 @@ def _all_named(client: Any, me: Process, here: _Point) -> None:
     when every process has read what it needs to name the difference (or after NAMED_WAIT_S),
     so that none is aborted by the store's end before it can say why."""
     if int(client.key_value_increment(f"{here.keys}named", 1)) == me.count:
-        client.key_value_set(f"{here.keys}all_named", "1")
+        # process 0 may end the store the moment the key is in, before this call's answer
+        # comes back ("Socket closed"): the key is set either way, and this process names
+        # the difference next
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"{here.keys}all_named", "1")
     if me.rank != 0:
         return
     try:

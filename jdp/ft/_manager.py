@@ -23,7 +23,8 @@ from jdp.ft import lighthouse as _lighthouse
 from jdp.ft._coords import Coordinates
 
 HEARTBEAT_MS = 100     # the manager server's heartbeat to the Lighthouse
-OP_TIMEOUT_S = 10      # default: an all-reduce, a commit vote, a state transfer, a set-up
+OP_TIMEOUT_S = 10      # default: an all-reduce, a commit vote, a state transfer
+SETUP_TIMEOUT_S = 1    # the process group's set-up across the quorum's groups (at most `timeout`)
 CONNECT_TIMEOUT_S = 10
 ACCESS_LOG = "jdp.ft.checkpoint_server"   # torchft's checkpoint server's access lines
 
@@ -135,7 +136,7 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
     from torchft.process_group import ProcessGroupGloo
     host = host_name()
     store, port = group_store(host)
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+    pg = bounded_set_up(ProcessGroupGloo)(timeout=timedelta(seconds=timeout_s))
     m = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
                 min_replica_size=1, use_async_quorum=False,
                 timeout=timedelta(seconds=timeout_s),
@@ -147,6 +148,30 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
                 heartbeat_interval=timedelta(milliseconds=HEARTBEAT_MS), init_sync=False)
     _quiet_access_log(m)
     return m, pg, store
+
+
+def bounded_set_up(gloo: type) -> type:
+    """torchft's gloo process group whose set-up across a new quorum's groups (the store's
+    rendezvous and gloo's full mesh) waits at most `SETUP_TIMEOUT_S`, its collectives still
+    `timeout`. The quorum reaches every group at once, so a set-up takes milliseconds, unless
+    a group died after it asked for the quorum: the others then waited the whole `timeout`
+    for it before the next quorum (a 10 s stall); now one second, and a set-up that fails is
+    one discarded attempt."""
+
+    class BoundedSetUp(gloo):
+        def configure(self, *args, **kwargs) -> None:
+            # torchft's wrapper reads its private `_timeout` for the store client and gloo's
+            # set-up alike; the torch backend it made then takes the collectives' timeout
+            timeout = self._timeout
+            self._timeout = min(timeout, timedelta(seconds=SETUP_TIMEOUT_S))
+            try:
+                super().configure(*args, **kwargs)
+            finally:
+                self._timeout = timeout
+            import torch
+            # `_get_backend` is torch's (private) way to the gloo backend of a process group
+            self._pg._get_backend(torch.device("cpu")).set_timeout(timeout)
+    return BoundedSetUp
 
 
 def unreachable(error: Exception, lighthouse: str, past: int) -> str | None:

@@ -151,9 +151,21 @@ class Replicas:
         self.groups: list = []        # the groups of the last attempt's all-reduce
         self.committed: bool | None = None
         self.torchft_log = _manager.torchft_log(self.coords.events, jax.process_index())
-        self._manager, self._pg, self._store = self._torchft(quorum_timeout, timeout)
+        self._timeouts = quorum_timeout, timeout
+        self._manager: Any = None     # torchft's, made when the group is ready (`_connect`)
+        self._pg = self._store = None
         self._record("join", group=self.coords.group, pid=os.getpid(),
                      restart=int(os.environ.get(_env.RESTART_COUNT, 0)), past=self._me.past)
+
+    def _connect(self) -> None:
+        """Start this process's torchft manager, which heartbeats to the Lighthouse: only
+        once the group can ask for a quorum within milliseconds (its step compiled). A
+        heartbeating group that has not asked yet holds every other group's next quorum
+        for up to the Lighthouse's join timeout: a group that heartbeat while it compiled
+        stalled the survivors of a kill 3-3.7 s instead of 1 s."""
+        if self._manager is None:
+            self._manager, self._pg, self._store = self._torchft(*self._timeouts)
+            self._record("connect")
 
     def _torchft(self, quorum_timeout: float, timeout: float) -> tuple:
         """`_manager.manager`, with a Lighthouse that does not answer named in one line: a
@@ -209,8 +221,9 @@ class Replicas:
 
     @property
     def step(self) -> int:
-        """Steps committed so far (the same on every group in the quorum)."""
-        return self._manager.current_step()
+        """Steps committed so far (the same on every group in the quorum; 0 before the
+        group's first quorum)."""
+        return self._manager.current_step() if self._manager is not None else 0
 
     @property
     def inner_steps(self) -> int:
@@ -244,7 +257,8 @@ class Replicas:
         """The group's batch of each step until `num_steps` are committed: a quorum before
         each (a heal when this group comes back), and the same batch again after a
         discarded attempt. Before the first quorum the step from `train_step` is compiled on
-        the first batch (`_warm_up`), so the other groups never wait for it."""
+        the first batch (`_warm_up`), and only then does the group make itself known to the
+        Lighthouse (`_connect`), so the other groups never wait for its compilation."""
         num_steps = _values.integer("jdp.ft.Replicas.batches", "num_steps", num_steps,
                                     minimum=1, fix="the number of steps to commit")
         if self.loader is None:
@@ -253,6 +267,7 @@ class Replicas:
         self._fields["num_steps"] = str(num_steps)
         self._num_steps = num_steps
         self._warm_up()
+        self._connect()
         if self._outer is not None:
             yield from self._rounds(num_steps)
             return
@@ -695,8 +710,9 @@ class Replicas:
 
     def close(self) -> None:
         """Leave the job: stop this process's torchft servers."""
-        with contextlib.suppress(Exception):
-            self._manager.shutdown(wait=False)
+        if self._manager is not None:
+            with contextlib.suppress(Exception):
+                self._manager.shutdown(wait=False)
 
     def __enter__(self) -> Replicas:
         return self

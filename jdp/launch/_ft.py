@@ -5,6 +5,8 @@ With `--replica_groups`, the group's process 0 appends one JSON object per line 
 named by `JDP_FT_EVENTS` (the launcher's working directory; appended across restarts):
 
 - `{"event": "join", "group": G, "restart": n, "time": t}`: a process of the group joined;
+- `{"event": "connect", "time": t}`: the group, its step compiled, made itself known to the
+  Lighthouse (its first quorum follows);
 - `{"event": "commit", "step": s, "groups": [...], "seconds": d, "time": t}`: step s (the
   state's step after it) committed with those groups, in an attempt of d seconds;
 - `{"event": "discard", "step": s, "groups": [...], "seconds": d, "time": t, "error": ...}`:

@@ -24,11 +24,12 @@ pytest.importorskip("torchft")
 GROUPS, STEPS, BATCH, WIDTH, LR = 3, 900, 8, 32, 0.01
 
 
-def launch_groups(tmp_path, tag, lighthouse_port, steps=STEPS, width=WIDTH, extra=()):
+def launch_groups(tmp_path, tag, lighthouse_port, steps=STEPS, width=WIDTH, extra=(),
+                  restarts=5):
     procs = []
     for g in range(GROUPS):
         where = f"start:{lighthouse_port}" if g == 0 else f"127.0.0.1:{lighthouse_port}"
-        args = ["--nproc_per_node", 1, "--devices_per_process", 2, "--max_restarts", 5,
+        args = ["--nproc_per_node", 1, "--devices_per_process", 2, "--max_restarts", restarts,
                 "--replica_group", g, "--replica_groups", GROUPS, "--ft_lighthouse", where,
                 "--logdir", tmp_path / f"g{g}", f"{REPO}/examples/fault_tolerant.py",
                 "--steps", steps, "--step_time", 0.02, "--batch_size", BATCH,
@@ -80,7 +81,7 @@ def kill_five_times(tmp_path, rng, commits: int = 10) -> list:
 
 def run_job(tmp_path, tag, kill, **sizes):
     """The three groups' launchers, `kill(tmp_path)` while they run; their events."""
-    procs = launch_groups(tmp_path, tag, free_port(), **sizes)   # steps, width, extra
+    procs = launch_groups(tmp_path, tag, free_port(), **sizes)   # steps, width, extra, ...
     try:
         kills = kill(tmp_path)
         codes = [p.wait(timeout=400) for p in procs]
@@ -232,3 +233,97 @@ def test_five_kills_of_streaming_groups_cost_no_restart_and_end_as_one_model(tmp
         e["event"] == "commit" and e["time"] - e["seconds"] <= k["time"] <= e["time"]
         for evs in events for e in evs)]
     print(json.dumps({"kills": kills, "during_a_sync": len(in_flight)}))
+
+
+def churn(tmp_path, rng, rounds: int) -> list:
+    """`rounds` rounds of kills at random steps; every second round kills a second group the
+    moment the first one's new worker reaches the Lighthouse ("connect": its first quorum
+    and the process group's set-up across the groups follow) or a peer starts serving its
+    heal ("heal"). Each kill: {"group", "pid", "time", "at"}."""
+    kills: list = []
+    for r in range(rounds):
+        first = rng.randrange(GROUPS)
+        pids = steady_pids(tmp_path, {k["pid"] for k in kills}, commits=5)
+        time.sleep(rng.uniform(0.1, 1.0))
+        os.kill(pids[first], signal.SIGKILL)
+        kills.append({"group": first, "pid": pids[first], "time": time.time(), "at": "any"})
+        if r % 2:
+            at = "connect" if r % 4 == 1 else "heal"
+            second = rng.choice([g for g in range(GROUPS) if g != first])
+            wait_for_return(tmp_path, first, kills[-1]["time"], at)
+            os.kill(pids[second], signal.SIGKILL)
+            kills.append({"group": second, "pid": pids[second], "time": time.time(),
+                          "at": at})
+    return kills
+
+
+def wait_for_return(tmp_path, group: int, since: float, at: str, timeout: float = 120) -> None:
+    """Until `group`'s new worker connects (`at` "connect") or a peer serves it its state."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if at == "connect":
+            seen = [e for e in group_events(tmp_path, group)
+                    if e["event"] == "connect" and e["time"] > since]
+        else:
+            seen = [e for g in range(GROUPS) if g != group for e in group_events(tmp_path, g)
+                    if e["event"] == "serve" and e["time"] > since]
+        if seen:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"group {group} did not come back ({at})")
+
+
+def stalls(events: list, kills: list) -> list:
+    """Per kill, the survivors' stall: from the kill to the first commit by another group
+    without the killed group or, when that group healed first (the others waited for it),
+    after its heal."""
+    out = []
+    for kill in kills:
+        g, t = kill["group"], kill["time"]
+        back = min((e["time"] for e in events[g] if e["event"] == "heal" and e["time"] > t),
+                   default=float("inf"))
+        commits = [e["time"] for s, ev in enumerate(events) if s != g for e in ev
+                   if e["event"] == "commit" and e["time"] > t
+                   and (g not in e["groups"] or e["time"] >= back)]
+        out.append(min(commits, default=float("inf")) - t)
+    return out
+
+
+def rejoins(events: list) -> list:
+    """Per return of a group after a kill: the seconds from its new worker's connect to
+    its heal."""
+    out = []
+    for ev in events:
+        restarted = {e["pid"] for e in ev if e["event"] == "join" and e["restart"] > 0}
+        pid = None
+        for e in ev:
+            pid = e["pid"] if e["event"] == "join" else pid
+            if e["event"] == "connect" and pid in restarted:
+                heal = next((h["time"] for h in ev if h["event"] == "heal"
+                             and h["time"] > e["time"]), float("inf"))
+                out.append(heal - e["time"])
+    return out
+
+
+@pytest.mark.parametrize("layout", [[], ["--shard_params", 2]], ids=["replicated", "fsdp"])
+def test_churn_of_15_kills_a_third_at_a_return_stalls_the_survivors_at_most_2_s(
+        tmp_path, tag, layout):
+    """Churn under real launchers: 15 SIGKILLs per run (two runs: the groups replicated and
+    FSDP inside), 5 of them the moment another group comes back (its worker reaching the
+    Lighthouse, or its heal under way), group 0's with the Lighthouse among them. The
+    survivors never restart, every kill stalls them at most 2 s, every returning group heals
+    within 5 s of reaching the Lighthouse, every launcher exits 0, and every group ends with
+    the same bits, equal to single-device optax replaying the recorded quorums (1e-6)."""
+    rng = random.Random(5 + len(layout))
+    steps = 3000
+    kills, events = run_job(tmp_path, tag, lambda path: churn(path, rng, rounds=10),
+                            steps=steps, extra=layout, restarts=20)
+    survivors_kept_and_heals_bitwise(events, kills)
+    heals, history = check_heals_and_replay(tmp_path, events, steps=steps)
+    timed = [k for k in kills if k["at"] != "any"]
+    assert len(kills) == 15 and len(timed) == 5 and 0 in {k["group"] for k in kills}
+    stalled, back = stalls(events, kills), rejoins(events)
+    print(json.dumps({"stalls": [round(s, 2) for s in stalled], "at": [k["at"] for k in kills],
+                      "rejoin_to_heal": [round(b, 2) for b in back]}))
+    assert max(stalled) <= 2.0, list(zip(stalled, kills, strict=True))
+    assert len(back) == 15 and max(back) <= 5.0, back
