@@ -21,10 +21,11 @@ demo: install
 
 # Everything, as CI runs it, in JOBS pytest workers (pytest-xdist): most tests under
 # tests/system/ wait on processes they started, so two workers on 2 cores take about half the
-# time of one. The 20 slowest tests are listed at the end.
+# time of one. They start first (tests/conftest.py), and an idle worker takes tests queued for
+# the other (worksteal). The 20 slowest tests are listed at the end.
 JOBS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(JOBS) --durations=20
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=20
 
 # The unit tests and doctests alone, nothing that starts a process and no unit test marked slow
 # (make test runs those): the loop while editing.

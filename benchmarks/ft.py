@@ -184,9 +184,10 @@ def _per_step(job: Job) -> float:
 
 def churn(root: str, size: dict) -> dict:
     """Kills timed at another group's return, `churn` rounds: kill a random group's worker,
-    and the moment its launcher's new worker joins (its join event), kill another group's
-    (one that has made a step since its own start). {"kills": each kill's `stalls` row, with
-    "at" the kill's moment ("any", "rejoin"); "returns": `returns`' row per return}."""
+    and the moment its launcher's new worker reaches the Lighthouse (its connect event),
+    kill another group's (one that has made a step since its own start). {"kills": each
+    kill's `stalls` row, with "at" the kill's moment ("any", "rejoin"); "returns":
+    `returns`' row per return}."""
     rng = random.Random(0)
     job = ft_job(root, ["examples/fault_tolerant.py", "--steps", "100000000"],
                  2 * size["churn"] + 2)
@@ -197,7 +198,7 @@ def churn(root: str, size: dict) -> dict:
             pids = [_trains(job, g, kills) for g in range(GROUPS)]
             os.kill(pids[first], signal.SIGKILL)
             kills.append({"victim": first, "time": time.time(), "pid": pids[first], "at": "any"})
-            wait_for(lambda g=first: _joined(job, g, kills), 300, f"group {first}'s return")
+            wait_for(lambda g=first: _connected(job, g, kills), 300, f"group {first}'s return")
             os.kill(pids[second], signal.SIGKILL)
             kills.append({"victim": second, "time": time.time(), "pid": pids[second],
                           "at": "rejoin"})
@@ -237,10 +238,13 @@ def _trains(job: Job, group: int, kills: list) -> int:
                     f"a step of group {group}")
 
 
-def _joined(job: Job, group: int, kills: list) -> bool:
-    """Has a worker of the group that was not killed joined?"""
-    joins = [e for e in read(job.events[group]) if e["event"] == "join"]
-    return bool(joins) and joins[-1]["pid"] not in {k["pid"] for k in kills}
+def _connected(job: Job, group: int, kills: list) -> bool:
+    """Has a worker of the group that was not killed reached the Lighthouse (its "connect",
+    once its step is compiled: its first quorum follows)?"""
+    events = read(job.events[group])
+    joins = [e for e in events if e["event"] == "join"]
+    return bool(joins) and joins[-1]["pid"] not in {k["pid"] for k in kills} and any(
+        e["event"] == "connect" and e["time"] >= joins[-1]["time"] for e in events)
 
 
 def exchange(params: int) -> list:
@@ -331,7 +335,7 @@ def _churn_rows(churned: dict) -> list:
                      f"{_s(max(stalled, default=None))} s (each: "
                      + ", ".join(_s(x) for x in stalled) + ")", "<= 2 s",
                      f"{len(stalled)} kills: churn rounds of two, the second the moment the "
-                     "first group's new worker joins"])
+                     "first group's new worker reaches the Lighthouse"])
     gaps = [r["gap_s"] for r in churned["returns"] if r["gap_s"] is not None]
     rows.append(["others' longest step at a group's return (max)",
                  f"{_s(max(gaps, default=None))} s (each: " + ", ".join(_s(x) for x in gaps)

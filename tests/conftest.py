@@ -90,10 +90,15 @@ SYSTEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "system")
 
 def pytest_collection_modifyitems(items) -> None:
     """Mark every test under tests/system/ (those that start processes) `system`, so that
-    `pytest -m "not system"` is the unit tests alone (make test-fast also leaves out `slow`)."""
+    `pytest -m "not system"` is the unit tests alone (make test-fast also leaves out `slow`).
+    Then run them, and the unit tests marked `slow`, first (in their order): in pytest-xdist's
+    workers the long tests start early and the short ones fill the end, where the long ones,
+    last in the files' order, kept one worker busy while the other idled."""
     for item in items:
         if str(item.path).startswith(SYSTEM + os.sep):
             item.add_marker(pytest.mark.system)
+    items.sort(key=lambda item: item.get_closest_marker("system") is None
+               and item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

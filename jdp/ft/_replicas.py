@@ -159,10 +159,10 @@ class Replicas:
 
     def _connect(self) -> None:
         """Start this process's torchft manager, which heartbeats to the Lighthouse: only
-        once the group can ask for a quorum within milliseconds (its step compiled). A
-        heartbeating group that has not asked yet holds every other group's next quorum
-        for up to the Lighthouse's join timeout: a group that heartbeat while it compiled
-        stalled the survivors of a kill 3-3.7 s instead of 1 s."""
+        once the group can ask for a quorum within milliseconds (its step compiled). The
+        Lighthouse waits up to its join timeout for a heartbeating group that has not
+        asked, and forms no quorum of half the heartbeating groups or fewer: a group that
+        heartbeat while it compiled could hold the survivors of a kill that long."""
         if self._manager is None:
             self._manager, self._pg, self._store = self._torchft(*self._timeouts)
             self._record("connect")

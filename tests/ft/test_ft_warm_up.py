@@ -41,7 +41,7 @@ def _group(loader, halves):
         return SimpleNamespace(current_step=lambda: 0), None, None
     group.__dict__.update(
         _halves=halves, _mean=True, _outer=None, _batch=None, _epochs=None, loader=loader,
-        _fields={}, _ready=False, _state={"w": jnp.zeros((4,))}, _manager=None,
+        _fields={}, _ready=False, _state={"w": jnp.zeros((4,))}, _manager=None, _events=None,
         _timeouts=(1.0, 1.0), _torchft=connect, _quorum=lambda: quorums.append(len(EVENTS)))
     return group, connects, quorums
 

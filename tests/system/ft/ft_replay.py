@@ -48,11 +48,11 @@ def group_batch(group: int, groups: int, step: int, batch_size: int,
 
 
 def replay(steps: dict, groups: int, batch_size: int, width: int, lr: float,
-           processes: int = 1) -> dict:
-    """The final parameters of single-device optax (the example's optimizer) on the
+           processes: int = 1, optimizer: str = "adam") -> dict:
+    """The final parameters of single-device optax (the example's `--optimizer`) on the
     concatenated batches of each step's groups."""
     data, params = example.dataset(), example.init_params(width)
-    tx = optax.adam(lr)
+    tx = getattr(optax, optimizer)(lr)
     opt_state = tx.init(params)
     grad = jax.jit(jax.grad(example.loss_fn))
     for step in range(1, max(steps) + 1):

@@ -1,12 +1,13 @@
 """A lost replica costs one step: 3 replica groups under real launchers (`jdp.launch
---replica_group G --replica_groups 3`, the Lighthouse started by group 0's launcher), the
-worker of a random group SIGKILLed at random steps 5 times, every group at least once (group
-0's, whose launcher holds the Lighthouse, included).
+--replica_group G --replica_groups 3`, the Lighthouse started by group 0's launcher), their
+workers SIGKILLed at random steps and at other groups' returns: churn of 15 kills per run
+(synchronous groups, replicated and FSDP inside), a heal whose source dies mid-transfer, five
+kills of DiLoCo and of Streaming DiLoCo groups.
 
 What must hold: no survivor restarts (each group's worker ids change exactly at its own
 kills), the job finishes, every heal arrives bitwise (the healed state's digest equals the one
 its live source served at that step), and the final parameters of every group are the same
-bits and equal single-device optax replaying the recorded quorum history (1e-6).
+bits and equal single-device optax replaying the recorded quorum history.
 """
 import json
 import os
@@ -46,25 +47,25 @@ def group_events(tmp_path, g):
     return ft_replay.events(tmp_path / f"g{g}" / "ft_events.jsonl")
 
 
-def steady_pids(tmp_path, killed: set, timeout: float = 120, commits: int = 10) -> dict:
-    """Each group's worker pid, once every group has a worker that was not killed and that
-    made `commits` commits since it joined (a restarted group has healed and trains again)."""
+def steady_pids(tmp_path, killed: set, timeout: float = 120, commits: int = 10,
+                least: int = GROUPS) -> dict:
+    """{group: pid} of the groups that train, once `least` of them do: their worker was not
+    killed and made `commits` commits since it joined (a restarted group has healed and
+    trains again)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pids = {}
         for g in range(GROUPS):
             events = group_events(tmp_path, g)
             joins = [e for e in events if e["event"] == "join"]
-            if not joins or joins[-1]["pid"] in killed:
-                break
-            if sum(e["event"] == "commit" and e["time"] > joins[-1]["time"]
-                   for e in events) < commits:
-                break
-            pids[g] = joins[-1]["pid"]
-        else:
+            made = sum(e["event"] == "commit" and e["time"] > joins[-1]["time"]
+                       for e in events) if joins else 0
+            if joins and joins[-1]["pid"] not in killed and made >= commits:
+                pids[g] = joins[-1]["pid"]
+        if len(pids) >= least:
             return pids
-        time.sleep(0.1)
-    raise AssertionError("the groups never all trained again")
+        time.sleep(0.02)
+    raise AssertionError(f"fewer than {least} groups trained again within {timeout} s")
 
 
 def kill_five_times(tmp_path, rng, commits: int = 10) -> list:
@@ -106,7 +107,8 @@ def survivors_kept_and_heals_bitwise(events, kills) -> None:
     assert len(heals) >= 5 and all((h["step"], h["digest"]) in served for h in heals), heals
 
 
-def check_heals_and_replay(tmp_path, events, steps=STEPS, width=WIDTH, replay=True):
+def check_heals_and_replay(tmp_path, events, steps=STEPS, width=WIDTH, replay=True,
+                           optimizer="adam"):
     """Every heal's digest is one a live source served at that step; every step committed
     once with one group set; the final parameters the same bits on every group and (`replay`)
     equal to single-device optax replaying that history."""
@@ -120,23 +122,10 @@ def check_heals_and_replay(tmp_path, events, steps=STEPS, width=WIDTH, replay=Tr
     for name in finals[0].files:
         assert all(final[name].tobytes() == finals[0][name].tobytes() for final in finals)
     if replay:
-        want = ft_replay.replay(history, GROUPS, BATCH, width, LR)
+        want = ft_replay.replay(history, GROUPS, BATCH, width, LR, optimizer=optimizer)
         for name, value in want.items():
             np.testing.assert_allclose(finals[0][name], value, atol=1e-6, rtol=0)
     return heals, history
-
-
-def test_five_kills_cost_steps_not_restarts_and_heals_arrive_bitwise(tmp_path, tag):
-    rng = random.Random(42)
-    kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng))
-    survivors_kept_and_heals_bitwise(events, kills)
-    heals, history = check_heals_and_replay(tmp_path, events)
-    assert len(heals) >= 5
-    assert any(len(groups) < GROUPS for groups in history.values())
-    for g in range(GROUPS):
-        summary = json.loads((tmp_path / f"g{g}" / "summary.json").read_text())["ft"]
-        assert summary["committed"] == sum(e["event"] == "commit" for e in events[g])
-    print(json.dumps(kills))
 
 
 def stop_the_source_of_a_heal(tmp_path) -> list:
@@ -235,26 +224,36 @@ def test_five_kills_of_streaming_groups_cost_no_restart_and_end_as_one_model(tmp
     print(json.dumps({"kills": kills, "during_a_sync": len(in_flight)}))
 
 
-def churn(tmp_path, rng, rounds: int) -> list:
-    """`rounds` rounds of kills at random steps; every second round kills a second group the
-    moment the first one's new worker reaches the Lighthouse ("connect": its first quorum
-    and the process group's set-up across the groups follow) or a peer starts serving its
-    heal ("heal"). Each kill: {"group", "pid", "time", "at"}."""
+def churn(tmp_path, rng, count: int, timeout: float = 240) -> list:
+    """`count` SIGKILLs in threes: once every group trains, one at a random step (group 0's
+    first); then another group the moment the first one's new worker reaches the Lighthouse
+    ("connect": its first quorum and the process group's set-up across the groups follow)
+    or a peer starts serving its heal ("heal"); then, once two groups train, one of them at a
+    random step, whether or not the others are back. Each kill: {"group", "pid", "time",
+    "at"}."""
     kills: list = []
-    for r in range(rounds):
-        first = rng.randrange(GROUPS)
-        pids = steady_pids(tmp_path, {k["pid"] for k in kills}, commits=5)
-        time.sleep(rng.uniform(0.1, 1.0))
-        os.kill(pids[first], signal.SIGKILL)
-        kills.append({"group": first, "pid": pids[first], "time": time.time(), "at": "any"})
-        if r % 2:
-            at = "connect" if r % 4 == 1 else "heal"
-            second = rng.choice([g for g in range(GROUPS) if g != first])
-            wait_for_return(tmp_path, first, kills[-1]["time"], at)
-            os.kill(pids[second], signal.SIGKILL)
-            kills.append({"group": second, "pid": pids[second], "time": time.time(),
-                          "at": at})
-    return kills
+    deadline = time.monotonic() + timeout
+
+    def live(least: int) -> dict:
+        return steady_pids(tmp_path, {k["pid"] for k in kills}, deadline - time.monotonic(),
+                           commits=3, least=least)
+
+    def kill(pids: dict, group: int, at: str) -> None:
+        os.kill(pids[group], signal.SIGKILL)
+        kills.append({"group": group, "pid": pids[group], "time": time.time(), "at": at})
+
+    while len(kills) < count:
+        pids = live(GROUPS)
+        time.sleep(rng.uniform(0.1, 0.8))   # at a random step
+        first = 0 if not kills else rng.randrange(GROUPS)
+        kill(pids, first, "any")
+        at = "connect" if len(kills) % 6 == 1 else "heal"
+        wait_for_return(tmp_path, first, kills[-1]["time"], at)
+        kill(pids, rng.choice([g for g in pids if g != first]), at)
+        pids = live(2)
+        time.sleep(rng.uniform(0.1, 0.8))
+        kill(pids, rng.choice(sorted(pids)), "any")
+    return kills[:count]
 
 
 def wait_for_return(tmp_path, group: int, since: float, at: str, timeout: float = 120) -> None:
@@ -313,17 +312,21 @@ def test_churn_of_15_kills_a_third_at_a_return_stalls_the_survivors_at_most_2_s(
     Lighthouse, or its heal under way), group 0's with the Lighthouse among them. The
     survivors never restart, every kill stalls them at most 2 s, every returning group heals
     within 5 s of reaching the Lighthouse, every launcher exits 0, and every group ends with
-    the same bits, equal to single-device optax replaying the recorded quorums (1e-6)."""
+    the same bits, equal to single-device optax replaying the recorded quorums (1e-6; plain
+    SGD, as adam carries float32 rounding past 1e-6 in 2,000 steps: 1.7e-6 seen)."""
     rng = random.Random(5 + len(layout))
-    steps = 3000
-    kills, events = run_job(tmp_path, tag, lambda path: churn(path, rng, rounds=10),
-                            steps=steps, extra=layout, restarts=20)
-    survivors_kept_and_heals_bitwise(events, kills)
-    heals, history = check_heals_and_replay(tmp_path, events, steps=steps)
-    timed = [k for k in kills if k["at"] != "any"]
-    assert len(kills) == 15 and len(timed) == 5 and 0 in {k["group"] for k in kills}
+    steps = 2500   # at 2,000 a busy machine once had the last victim back after the end
+    kills, events = run_job(tmp_path, tag, lambda path: churn(path, rng, count=15),
+                            steps=steps, extra=[*layout, "--optimizer", "sgd"], restarts=20)
     stalled, back = stalls(events, kills), rejoins(events)
     print(json.dumps({"stalls": [round(s, 2) for s in stalled], "at": [k["at"] for k in kills],
                       "rejoin_to_heal": [round(b, 2) for b in back]}))
+    survivors_kept_and_heals_bitwise(events, kills)
+    check_heals_and_replay(tmp_path, events, steps=steps, optimizer="sgd")
+    timed = [k for k in kills if k["at"] != "any"]
+    assert len(kills) == 15 and len(timed) == 5 and 0 in {k["group"] for k in kills}
     assert max(stalled) <= 2.0, list(zip(stalled, kills, strict=True))
+    for g in range(GROUPS):   # the launcher's summary counts what the record shows
+        summary = json.loads((tmp_path / f"g{g}" / "summary.json").read_text())["ft"]
+        assert summary["committed"] == sum(e["event"] == "commit" for e in events[g])
     assert len(back) == 15 and max(back) <= 5.0, back
