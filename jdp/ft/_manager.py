@@ -157,6 +157,7 @@ def bounded_set_up(gloo: type) -> type:
     a group died after it asked for the quorum: the others then waited the whole `timeout`
     for it before the next quorum (a 10 s stall); now one second, and a set-up that fails is
     one discarded attempt."""
+    import torch  # the ft extra's, as `gloo` is
 
     class BoundedSetUp(gloo):
         def configure(self, *args, **kwargs) -> None:
@@ -168,7 +169,6 @@ def bounded_set_up(gloo: type) -> type:
                 super().configure(*args, **kwargs)
             finally:
                 self._timeout = timeout
-            import torch
             # `_get_backend` is torch's (private) way to the gloo backend of a process group
             self._pg._get_backend(torch.device("cpu")).set_timeout(timeout)
     return BoundedSetUp
