@@ -8,9 +8,11 @@ the group's other processes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -160,18 +162,41 @@ def bounded_set_up(gloo: type) -> type:
     import torch  # the ft extra's, as `gloo` is
 
     class BoundedSetUp(gloo):
-        def configure(self, *args, **kwargs) -> None:
+        def configure(self, store_addr: str, *args, **kwargs) -> None:
+            reached(store_addr, SETUP_TIMEOUT_S)
             # torchft's wrapper reads its private `_timeout` for the store client and gloo's
             # set-up alike; the torch backend it made then takes the collectives' timeout
             timeout = self._timeout
             self._timeout = min(timeout, timedelta(seconds=SETUP_TIMEOUT_S))
             try:
-                super().configure(*args, **kwargs)
+                super().configure(store_addr, *args, **kwargs)
             finally:
                 self._timeout = timeout
             # `_get_backend` is torch's (private) way to the gloo backend of a process group
             self._pg._get_backend(torch.device("cpu")).set_timeout(timeout)
     return BoundedSetUp
+
+
+def reached(store_addr: str, seconds: float) -> None:
+    """Raise TimeoutError unless the quorum's store (`HOST:PORT/prefix`, torchft's form)
+    takes a client within `seconds`, a deadline. torch's store client retries a connection
+    with pauses between tries, each try up to its timeout, so a store whose process was
+    dying when the quorum formed held the set-up 2.4 s with a 1 s timeout. The trial client
+    runs on a thread of its own, left to fail alone when it is late."""
+    from torch.distributed import TCPStore
+    host, _, port = store_addr.partition("/")[0].rpartition(":")
+    done, took = threading.Event(), []
+
+    def connect() -> None:
+        with contextlib.suppress(Exception):   # a failure is the same as lateness
+            TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                     timeout=timedelta(seconds=seconds))
+            took.append(True)
+        done.set()
+    threading.Thread(target=connect, daemon=True, name="jdp-ft-store").start()
+    if not done.wait(seconds) or not took:
+        raise TimeoutError(f"jdp.ft: the quorum's store at {host}:{port} took no client "
+                           f"within {seconds:g} s (the group that holds it died?)")
 
 
 def unreachable(error: Exception, lighthouse: str, past: int) -> str | None:
@@ -193,3 +218,50 @@ def unreachable(error: Exception, lighthouse: str, past: int) -> str | None:
             "s: start one (jdp.launch --ft_lighthouse start on one group's launcher, or python "
             "-m jdp.ft.lighthouse) and give every group its HOST:PORT (--ft_lighthouse, or "
             "JDP_FT_LIGHTHOUSE)")
+
+
+
+class Sum:
+    """An all-reduce (sum) of host tensors across the quorum's groups, in place, started now
+    and waited for later: one tensor's collective at a time, on a thread of its own.
+
+    One at a time, not all in flight at once: with several in flight, a process whose first
+    collectives failed when a group died could wait on a later one its peers would never
+    finish, and keep them waiting with it (for seconds, up to the collectives' timeout).
+    With one, the process that sees the failure has nothing else in flight: it closes its
+    links at once (`pg.abort`), which fails every survivor's collective too, and they all
+    go on to the next quorum. torchft's rules are kept: nothing is sent after an error in
+    this quorum (the attempt is lost anyway), and a group that heals in this quorum adds
+    zeros."""
+
+    def __init__(self, manager, pg, tensors: list):
+        self._manager, self._pg, self._thread = manager, pg, None
+        if manager.errored():
+            return
+        manager.wait_quorum()
+        if not manager.is_participating():
+            for t in tensors:
+                t.zero_()
+        self._thread = threading.Thread(target=self._run, args=(tensors,), daemon=True,
+                                        name="jdp-ft-sum")
+        self._thread.start()
+
+    def _run(self, tensors: list) -> None:
+        from torch.distributed import AllreduceOptions, ReduceOp
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            for t in tensors:
+                self._pg.allreduce([t], opts).wait()
+        except Exception as e:   # noqa: BLE001 - any failure is the attempt's, as in torchft
+            self._manager.report_error(e)
+            self._pg.abort()
+
+    def wait(self) -> bool:
+        """Wait for the sum (the collectives' own timeout bounds it); False when it failed
+        (reported to torchft: the attempt is discarded)."""
+        if self._thread is not None:
+            self._thread.join()
+        elif self._manager.errored() is not None:
+            self._pg.abort()   # the error came before: its links may still be open
+        return self._manager.errored() is None

@@ -633,26 +633,22 @@ class Replicas:
         this group's index (zeros when not a `member` of the sum) rides in the same
         all-reduce, so the sum names the groups in it. Returns what `_allreduce_wait` takes."""
         import torch
-        from torch.distributed import ReduceOp
         row = np.zeros(self.coords.groups, np.float32)
         row[self.coords.group] = float(member)
         tensors = [*host, torch.from_numpy(row)]
         began = time.perf_counter()
-        works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
+        total = _manager.Sum(self._manager, self._pg, tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.sent += nbytes
-        return works, row, began, nbytes
+        return total, row, began, nbytes
 
-    def _allreduce_wait(self, works: list, row: np.ndarray, began: float, nbytes: int) -> list:
+    def _allreduce_wait(self, total: _manager.Sum, row: np.ndarray, began: float,
+                        nbytes: int) -> list:
         """The groups in a started all-reduce's sum, once it ended (and the emulated link
-        would have carried it, `_network`)."""
-        for work in works:
-            work.wait()
-        _network.hold(_network.ready_at(self._link, began, nbytes, int(row.sum() or 1)))
-        if self._manager.errored():
-            # a group died during it: closing this process's links now fails the all-reduce
-            # of every survivor still waiting in it, instead of at the next quorum
-            self._pg.abort()
+        would have carried it, `_network`). A failed one (a group died during it) has closed
+        this process's links (`_manager.Sum`)."""
+        if total.wait():
+            _network.hold(_network.ready_at(self._link, began, nbytes, int(row.sum() or 1)))
         return [int(i) for i in np.flatnonzero(row > 0.5)]
 
     def _state_dict(self) -> dict:

@@ -310,11 +310,10 @@ def test_churn_of_15_kills_a_third_at_a_return_stalls_the_survivors_at_most_2_s(
     """Churn under real launchers: 15 SIGKILLs per run (two runs: the groups replicated and
     FSDP inside), 5 of them the moment another group comes back (its worker reaching the
     Lighthouse, or its heal under way), group 0's with the Lighthouse among them. The
-    survivors never restart, every kill but one stalls them at most 2 s (that one at most
-    4 s), every returning group heals within 5 s of reaching the Lighthouse, every launcher
-    exits 0, and every group ends with the same bits, equal to single-device optax replaying
-    the recorded quorums (1e-6; plain SGD, as adam carries float32 rounding past 1e-6 in
-    2,000 steps: 1.7e-6 seen)."""
+    survivors never restart, every kill stalls them at most 2 s, every returning group heals
+    within 5 s of reaching the Lighthouse, every launcher exits 0, and every group ends with
+    the same bits, equal to single-device optax replaying the recorded quorums (1e-6; plain
+    SGD, as adam carries float32 rounding past 1e-6 in 2,000 steps: 1.7e-6 seen)."""
     rng = random.Random(5 + len(layout))
     steps = 2500   # at 2,000 a busy machine once had the last victim back after the end
     kills, events = run_job(tmp_path, tag, lambda path: churn(path, rng, count=15),
@@ -326,11 +325,7 @@ def test_churn_of_15_kills_a_third_at_a_return_stalls_the_survivors_at_most_2_s(
     check_heals_and_replay(tmp_path, events, steps=steps, optimizer="sgd")
     timed = [k for k in kills if k["at"] != "any"]
     assert len(kills) == 15 and len(timed) == 5 and 0 in {k["group"] for k in kills}
-    # 2 s at every kill but one, which may take up to 4 s: a stall of about 3 s comes rarely
-    # (2 kills in about 90 measured in 0.8: a survivor stuck after its failed all-reduce
-    # while it heartbeats holds the other until the killed group is back; docs/faults.md)
-    assert max(stalled) <= 4.0 and sum(s > 2.0 for s in stalled) <= 1, \
-        list(zip(stalled, kills, strict=True))
+    assert max(stalled) <= 2.0, list(zip(stalled, kills, strict=True))
     for g in range(GROUPS):   # the launcher's summary counts what the record shows
         summary = json.loads((tmp_path / f"g{g}" / "summary.json").read_text())["ft"]
         assert summary["committed"] == sum(e["event"] == "commit" for e in events[g])
