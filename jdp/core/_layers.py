@@ -63,7 +63,7 @@ def layer(fn: Callable) -> Callable:
     subtree it is given) are gathered just before it runs and again in the backward pass, and
     their gradient is reduced as soon as the layer's backward pass is done, so an unrolled
     model holds one layer whole at a time. Anywhere else (one device, replicated, ZeRO, an
-    evaluation) it is `fn` itself.
+    evaluation, a loss under `layer_policy(enabled=False)`) it is `fn` itself.
 
     Args:
       fn: a function of the layer's parameters and its inputs (arrays or pytrees of them).
@@ -325,7 +325,8 @@ def layer_policy(loss_fn: Callable, *, modules: Any = None, min_params: int | No
         classes is a layer (as FSDP2's `ModuleWrapPolicy`).
       min_params: every submodule holding at least this many parameters not already in a
         smaller layer is a layer, found from the innermost out (as FSDP2's size-based policy).
-      enabled: False: no layer is gathered on its own (the compiler places every gather).
+      enabled: False: no layer is gathered on its own, those marked with `layer` neither
+        (the compiler places every gather).
 
     Returns:
       `loss_fn`, to give to `jdp.train_step`.

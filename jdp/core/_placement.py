@@ -32,7 +32,7 @@ class LowerPeak:
         self.who = who
         self.gathered: list = []
         self.by_layer = transform(_traced_with(body, lambda: self.gathered))
-        self.by_compiler = transform(_traced_with(body, lambda: False))
+        self.by_compiler = transform(by_compiler(body))
         self.chosen: Any = None
 
     def __call__(self, *args: Any) -> Any:
@@ -59,9 +59,14 @@ class LowerPeak:
                 f"at a time would peak at {layers / MiB:.1f} MiB per device, the compiler's "
                 f"own placement of the gathers at {compiler / MiB:.1f} MiB: this step uses "
                 "the compiler's (to choose it up front and compile once: "
-                "jdp.layer_policy(loss_fn, enabled=False), and no jdp.layer marks)",
+                "jdp.layer_policy(loss_fn, enabled=False))",
                 UserWarning, stacklevel=4)
         return self.by_compiler if use_compiler else self.by_layer
+
+
+def by_compiler(body: Callable) -> Callable:
+    """`body` traced with no layer gathering on its own: the compiler places every gather."""
+    return _traced_with(body, lambda: False)
 
 
 def _traced_with(body: Callable, by_layer: Callable[[], list | bool]) -> Callable:

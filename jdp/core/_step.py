@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _dispatch, _grads, _mesh, _placement, _zero
+from jdp.core import _checks, _dispatch, _grads, _layers, _mesh, _placement, _zero
 from jdp.core._mesh import AXIS
 from jdp.distributed import agree_once, require_job
 
@@ -364,9 +364,12 @@ def split_train_step(loss_fn: Callable, **options: Any) -> tuple:
 
 def _fsdp_placed(transform: Callable, options: StepOptions) -> Callable:
     """`transform` itself, or under FSDP one that keeps whichever placement of the gathers
-    peaks lower, layer by layer or the compiler's (`_placement`)."""
+    peaks lower, layer by layer or the compiler's (`_placement`); the compiler's alone when
+    the loss's `layer_policy` is `enabled=False` (its `jdp.layer` marks too)."""
     if not options.shard_params:
         return transform
+    if not _layers.policy_of(options.loss_fn).enabled:
+        return lambda body: transform(_placement.by_compiler(body))
     return lambda body: _placement.LowerPeak(body, transform, "jdp.train_step")
 
 

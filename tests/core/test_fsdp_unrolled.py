@@ -567,3 +567,27 @@ def test_a_marked_layers_contract_is_said_in_one_line():
     keyword = run(lambda p, x: dense(p, x, scale=0.5))[1]["loss"]
     expected = jnp.mean((jnp.tanh(data[0]["x"] @ params["w"]) * 0.5 - data[0]["y"]) ** 2)
     np.testing.assert_allclose(float(keyword), float(expected), rtol=1e-5)
+
+
+def test_marked_layers_under_a_disabled_policy_compile_as_the_unmarked_model():
+    """`layer_policy(enabled=False)` turns the `jdp.layer` marks off too: the step lowers to
+    the same program as the model written without them, and trains as single-device optax."""
+    marked = layer(dense)
+
+    def model(mark):
+        def run(params, x):
+            for p in params:
+                x = mark(p, x)
+            return x
+        return run
+
+    params, data = mlp_params(), batches(N * PER, D)
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX),
+                          shard_params=True)
+    texts = []
+    for loss in (layer_policy(mse(model(marked)), enabled=False), mse(model(dense))):
+        step = jdp.train_step(loss, shard_params=True)
+        texts.append(step.lower(state, jdp.shard(data[0])).as_text())
+    assert texts[0] == texts[1]
+    _, trained = fsdp(layer_policy(mse(model(marked)), enabled=False), params, data)
+    assert_tree_close(trained, single_device(mse(model(dense)), params, data))
