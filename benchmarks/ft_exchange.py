@@ -37,8 +37,11 @@ def state(params: int, leaves: int, **layout):
                                                tx=optax.adam(1e-3)), **layout)
 
 
+PLANS: dict = {}   # the plans made once, as a group keeps its own
+
+
 def buffers_route(tree, divide):
-    plan = _buffers.Buffers.of(tree, divide)
+    plan = _buffers.Buffers.of(tree, divide, PLANS)
     bufs = plan.flatten(tree)
     host = _buffers.to_host(bufs)
     return plan.unflatten(_buffers.back(bufs, host), tree, 1)

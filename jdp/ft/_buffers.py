@@ -1,7 +1,7 @@
 """The cross-group all-reduce's buffers, made on the devices and copied once each way.
 
 A group's gradients, model state and metrics are global arrays, each leaf split or replicated
-over the group's devices. `Buffers.of(tree)` plans, per device, one flat buffer per wire dtype
+over the group's devices. `Buffers.of` plans, per device, one flat buffer per wire dtype
 (float32, or float64 for float64 leaves): a split leaf's own piece, and 1/k of a leaf held by
 k devices alike (each copy's own slice, so a process sends every value it holds once). The
 buffers are filled inside one compiled function (`flatten`), cross to the host once per
@@ -103,15 +103,19 @@ class Buffers:
         self._unflatten = [_unflattener(m, tuple(p), w) for m, p, w in self.meshes]
 
     @staticmethod
-    def of(tree: Any, divide: tuple) -> Buffers:
-        """The plan for `tree` (its structure, shapes, dtypes and placements), cached."""
+    def of(tree: Any, divide: tuple, plans: dict | None = None) -> Buffers:
+        """The plan for `tree` (its structure, shapes, dtypes and placements), kept in
+        `plans` by that signature when given (a step's tree keeps one; a few at most), so
+        that its compiled functions are made once."""
+        if plans is None:
+            return Buffers(tree, divide)
         leaves, treedef = jax.tree.flatten(tree)
         key = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves), divide)
-        if key not in _PLANS:
-            if len(_PLANS) >= 8:
-                _PLANS.clear()
-            _PLANS[key] = Buffers(tree, divide)
-        return _PLANS[key]
+        if key not in plans:
+            if len(plans) >= 8:
+                plans.clear()
+            plans[key] = Buffers(tree, divide)
+        return plans[key]
 
     def flatten(self, tree: Any) -> list:
         """The buffers as global arrays, one per mesh and wire dtype, each split over its
@@ -167,10 +171,6 @@ def back(buffers: list, host: list) -> list:
         at += len(shards)
         out.append(jax.make_array_from_single_device_arrays(b.shape, b.sharding, arrays))
     return out
-
-
-_PLANS: dict = {}
-"""`Buffers.of`'s plans by signature (a step's tree keeps one signature; a few at most)."""
 
 
 def _replica_index(axes: tuple) -> jax.Array:

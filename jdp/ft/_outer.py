@@ -20,6 +20,7 @@ The model state (BatchNorm statistics) is averaged with the last fragment's sync
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any
@@ -58,16 +59,9 @@ class Outer:
     def parts(self, params: Any) -> tuple:
         """The fragments' leaf indices: contiguous runs of `params`' leaves (at least
         `fragments` of them), each run's end where the sizes so far come closest to an equal
-        share."""
-        sizes = [math.prod(x.shape) for x in jax.tree.leaves(params)]
-        cumulative = [0, *itertools.accumulate(sizes)]
-        n, bounds = len(sizes), [0]
-        for k in range(1, self.fragments):
-            share = cumulative[-1] * k / self.fragments
-            ends = range(bounds[-1] + 1, n - (self.fragments - k) + 1)
-            bounds.append(min(ends, key=lambda e: abs(cumulative[e] - share)))
-        bounds.append(n)
-        return tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False))
+        share. Computed once per model (every step of a sync asks)."""
+        return _parts(tuple(math.prod(x.shape) for x in jax.tree.leaves(params)),
+                      self.fragments)
 
     def start(self, state: Any) -> tuple:
         """The carry at a sync point: `(anchor, outer states per fragment)` for DiLoCo, `()`
@@ -159,3 +153,16 @@ def _outer_step_fn(tx, pseudo_gradient, anchor, outer_state):
 
 
 _outer_step = jax.jit(_outer_step_fn, static_argnums=0)
+
+
+@functools.lru_cache(maxsize=16)
+def _parts(sizes: tuple, fragments: int) -> tuple:
+    """`Outer.parts` of leaves of these `sizes`."""
+    cumulative = [0, *itertools.accumulate(sizes)]
+    n, bounds = len(sizes), [0]
+    for k in range(1, fragments):
+        share = cumulative[-1] * k / fragments
+        ends = range(bounds[-1] + 1, n - (fragments - k) + 1)
+        bounds.append(min(ends, key=lambda e, share=share: abs(cumulative[e] - share)))
+    bounds.append(n)
+    return tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False))

@@ -136,6 +136,7 @@ class Replicas:
         self._batch: Any = None       # the batch of the step under way, kept for a retry
         self._halves: tuple | None = None     # train_step's (gradients, update)
         self._mean = True                     # and whether its gradients are averaged
+        self._plans: dict = {}        # the exchange's buffer plans, by tree (`_buffers`)
         self._epochs: Iterator | None = None
         self._ready = False           # a quorum was held for the attempt the step makes
         self._began = 0.0             # when the attempt began (its quorum)
@@ -392,7 +393,8 @@ class Replicas:
         self._issue(self._pending)
 
     def _issue(self, pending: _Pending) -> None:
-        pending.plan = _buffers.Buffers.of(pending.tree, _averaged(pending.tree))
+        pending.plan = _buffers.Buffers.of(pending.tree, _averaged(pending.tree),
+                                           self._plans)
         pending.buffers = pending.plan.flatten(pending.tree)
         pending.host = _buffers.to_host(pending.buffers)
         if pending.healed:
@@ -436,12 +438,12 @@ class Replicas:
         gradients, update = self._halves
         self._batch = self._next_batch()   # the first step's (a heal replaces it)
         tree = gradients(self._state, self._batch)
-        plan = _buffers.Buffers.of(tree, _divided(tree, self._mean))
+        plan = _buffers.Buffers.of(tree, _divided(tree, self._mean), self._plans)
         grads, new_model_state, _ = plan.unflatten(plan.flatten(tree), tree, 1)
         update.lower(self._state, grads, new_model_state).compile()
         for fragment in range(self._outer.fragments if self._outer is not None else 0):
             tree = self._outer.exchanged(self._state, self._carry, fragment)   # the syncs'
-            plan = _buffers.Buffers.of(tree, _averaged(tree))
+            plan = _buffers.Buffers.of(tree, _averaged(tree), self._plans)
             mean = plan.unflatten(plan.flatten(tree), tree, 1)
             self._outer.apply(self._state, mean, self._carry, fragment,
                               self._outer.sent(self._state, fragment))
@@ -576,7 +578,7 @@ class Replicas:
             state = self._initial(state)
         grads, new_ms, metrics = gradients(state, batch)
         tree = (grads, new_ms, metrics)
-        plan = _buffers.Buffers.of(tree, _divided(tree, mean))
+        plan = _buffers.Buffers.of(tree, _divided(tree, mean), self._plans)
         buffers = plan.flatten(tree)
         host = _buffers.to_host(buffers)
         self._vote(host)

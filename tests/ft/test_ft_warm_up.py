@@ -42,6 +42,7 @@ def _group(loader, halves):
     group.__dict__.update(
         _halves=halves, _mean=True, _outer=None, _batch=None, _epochs=None, loader=loader,
         _fields={}, _ready=False, _state={"w": jnp.zeros((4,))}, _manager=None, _events=None,
+        _plans={},
         _timeouts=(1.0, 1.0), _torchft=connect, _quorum=lambda: quorums.append(len(EVENTS)))
     return group, connects, quorums
 
@@ -57,7 +58,7 @@ def test_nothing_compiles_once_the_group_heartbeats_to_the_lighthouse(warm):
     batch = next(batches)
     assert batch is loader[0] and len(connects) == len(quorums) == 1   # after one quorum
     tree = gradients(group._state, batch)   # the attempt, as `_attempt` runs it
-    plan = _buffers.Buffers.of(tree, _replicas._divided(tree, True))
+    plan = _buffers.Buffers.of(tree, _replicas._divided(tree, True), group._plans)
     buffers = plan.flatten(tree)
     host = _buffers.to_host(buffers)   # one group: the all-reduce leaves them as they are
     grads, model_state, _ = plan.unflatten(_buffers.back(buffers, host), tree, 1)
