@@ -26,7 +26,7 @@ from jdp.ft._coords import Coordinates
 
 HEARTBEAT_MS = 100     # the manager server's heartbeat to the Lighthouse
 OP_TIMEOUT_S = 10      # default: an all-reduce, a commit vote, a state transfer
-SETUP_TIMEOUT_S = 1    # the process group's set-up across the quorum's groups (at most `timeout`)
+SETUP_TIMEOUT_S = 1    # default: the process group's set-up across a quorum's groups
 CONNECT_TIMEOUT_S = 10
 ACCESS_LOG = "jdp.ft.checkpoint_server"   # torchft's checkpoint server's access lines
 
@@ -122,7 +122,8 @@ def _log_request(self, format: str, *args) -> None:   # noqa: A002 - the library
 
 
 def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable,
-            quorum_timeout_s: float, timeout_s: float = OP_TIMEOUT_S):
+            quorum_timeout_s: float, timeout_s: float = OP_TIMEOUT_S,
+            setup_timeout_s: float = SETUP_TIMEOUT_S):
     """`(manager, process_group, store)`: a torchft Manager for this process, healing
     through `state_dict` / `load_state_dict`, on a gloo process group across the groups.
 
@@ -138,7 +139,7 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
     from torchft.process_group import ProcessGroupGloo
     host = host_name()
     store, port = group_store(host)
-    pg = bounded_set_up(ProcessGroupGloo)(timeout=timedelta(seconds=timeout_s))
+    pg = bounded_set_up(ProcessGroupGloo, setup_timeout_s)(timeout=timedelta(seconds=timeout_s))
     m = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
                 min_replica_size=1, use_async_quorum=False,
                 timeout=timedelta(seconds=timeout_s),
@@ -152,22 +153,23 @@ def manager(coords: Coordinates, state_dict: Callable, load_state_dict: Callable
     return m, pg, store
 
 
-def bounded_set_up(gloo: type) -> type:
+def bounded_set_up(gloo: type, seconds: float = SETUP_TIMEOUT_S) -> type:
     """torchft's gloo process group whose set-up across a new quorum's groups (the store's
-    rendezvous and gloo's full mesh) waits at most `SETUP_TIMEOUT_S`, its collectives still
-    `timeout`. The quorum reaches every group at once, so a set-up takes milliseconds, unless
-    a group died after it asked for the quorum: the others then waited the whole `timeout`
-    for it before the next quorum (a 10 s stall); now one second, and a set-up that fails is
-    one discarded attempt."""
+    rendezvous and gloo's full mesh) waits at most `seconds` (and `timeout`), its
+    collectives still `timeout`. The quorum reaches every group at once, so a set-up takes
+    milliseconds, unless a group died after it asked for the quorum: the others then waited
+    the whole `timeout` for it before the next quorum (a 10 s stall); now `seconds`, and a
+    set-up that fails is one discarded attempt."""
     import torch  # the ft extra's, as `gloo` is
 
     class BoundedSetUp(gloo):
         def configure(self, store_addr: str, *args, **kwargs) -> None:
-            reached(store_addr, SETUP_TIMEOUT_S)
+            limit = min(self._timeout, timedelta(seconds=seconds))
+            reached(store_addr, limit.total_seconds())
             # torchft's wrapper reads its private `_timeout` for the store client and gloo's
             # set-up alike; the torch backend it made then takes the collectives' timeout
             timeout = self._timeout
-            self._timeout = min(timeout, timedelta(seconds=SETUP_TIMEOUT_S))
+            self._timeout = limit
             try:
                 super().configure(store_addr, *args, **kwargs)
             finally:

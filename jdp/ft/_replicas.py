@@ -73,10 +73,13 @@ class Replicas:
         quorum_timeout: seconds one quorum may take before the process raises; also how
             long a restarted group that finds nobody ahead of it waits for a live group to
             heal from before it stops.
-        timeout: seconds an all-reduce, a commit vote, a state transfer or the set-up of a
-            quorum's process group may take before the attempt is discarded. A group that
-            dies after a quorum counted it and before the process group was set up holds the
-            survivors this long (not the 1 s of a death anywhere else).
+        timeout: seconds an all-reduce, a commit vote or a state transfer may take before
+            the attempt is discarded (what a group alive but stuck holds the others).
+        setup_timeout: seconds the set-up of a new quorum's process group across the groups
+            may take, a deadline (at most `timeout`), before the attempt is discarded: what a
+            group that dies after a quorum counted it, before the set-up, adds to the others'
+            stall. The set-up takes milliseconds on one machine; raise it where the groups'
+            hosts take longer to connect.
         sync_every: None (default): the groups sum their gradients at every step. H: each
             group trains on its own for H steps, then the groups sync (`_outer`): LocalSGD,
             or DiLoCo with `outer`. A quorum, a heal and a discarded attempt happen at syncs
@@ -100,16 +103,18 @@ class Replicas:
     def __init__(self, state: Any, loader: Any = None, *, group: int | None = None,
                  groups: int | None = None, lighthouse: str | None = None,
                  start_timeout: float = START_TIMEOUT_S, quorum_timeout: float = 60.0,
-                 timeout: float = _manager.OP_TIMEOUT_S, min_groups: int | None = None,
+                 timeout: float = _manager.OP_TIMEOUT_S,
+                 setup_timeout: float = _manager.SETUP_TIMEOUT_S, min_groups: int | None = None,
                  sync_every: int | None = None, outer: Any = None, fragments: int = 1,
                  overlap: int = 0):
         require_job(WHO)
         self._outer = _outer_of(sync_every, outer, fragments, overlap, state)
         self._link = _network.link()   # an emulated slow link, checked now
-        start_timeout, quorum_timeout, timeout = (
+        start_timeout, quorum_timeout, timeout, setup_timeout = (
             _values.seconds(WHO, name, value, maximum=_env.MAX_SECONDS, fix="a wait must end")
             for name, value in (("start_timeout", start_timeout),
-                                ("quorum_timeout", quorum_timeout), ("timeout", timeout)))
+                                ("quorum_timeout", quorum_timeout), ("timeout", timeout),
+                                ("setup_timeout", setup_timeout)))
         self.coords = _coords.coordinates(group, groups, lighthouse)
         primary = jax.process_index() == 0
         self._events = self.coords.events if primary else None   # the group's record
@@ -152,7 +157,7 @@ class Replicas:
         self.groups: list = []        # the groups of the last attempt's all-reduce
         self.committed: bool | None = None
         self.torchft_log = _manager.torchft_log(self.coords.events, jax.process_index())
-        self._timeouts = quorum_timeout, timeout
+        self._timeouts = quorum_timeout, timeout, setup_timeout
         self._manager: Any = None     # torchft's, made when the group is ready (`_connect`)
         self._pg = self._store = None
         self._record("join", group=self.coords.group, pid=os.getpid(),
@@ -168,12 +173,12 @@ class Replicas:
             self._manager, self._pg, self._store = self._torchft(*self._timeouts)
             self._record("connect")
 
-    def _torchft(self, quorum_timeout: float, timeout: float) -> tuple:
+    def _torchft(self, quorum_timeout: float, timeout: float, setup_timeout: float) -> tuple:
         """`_manager.manager`, with a Lighthouse that does not answer named in one line: a
         group that had trained under it stops for good (exit 78), as no restart reaches it."""
         try:
             return _manager.manager(self.coords, self._state_dict, self._load_state_dict,
-                                    quorum_timeout, timeout)
+                                    quorum_timeout, timeout, setup_timeout)
         except RuntimeError as e:
             line = _manager.unreachable(e, self.coords.lighthouse, self._me.past)
             if line is None:

@@ -86,3 +86,22 @@ def test_the_sum_across_groups_adds_every_tensor_and_a_failure_is_reported():
     pg.abort()   # its collectives now fail
     assert not _manager.Sum(manager, pg, [torch.ones(3)]).wait()
     assert manager.error is not None
+
+
+def test_the_set_up_deadline_is_an_option_checked_in_one_line():
+    """`Replicas(setup_timeout=S)` sets the deadline of `bounded_set_up`; a bad value is one
+    line naming it (checked before anything joins)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    from jdp.ft import Replicas
+    mute = __import__("socket").socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    pg = _manager.bounded_set_up(ProcessGroupGloo, 0.3)(timeout=timedelta(seconds=10))
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="within 0.3 s"):
+        pg.configure(f"127.0.0.1:{mute.getsockname()[1]}/quorum/1", "group_0", 0, 2)
+    assert time.monotonic() - began < 0.8
+    mute.close()
+    with pytest.raises(ValueError, match="setup_timeout"):
+        Replicas({"w": 0.0}, setup_timeout=-1)
