@@ -43,5 +43,5 @@ def test_the_group_raises_the_line_with_its_exit_status(monkeypatch, past, code)
     group = SimpleNamespace(coords=_coords.Coordinates(0, 2, f"http://127.0.0.1:{free_port()}"),
                             _me=me, _state_dict=dict, _load_state_dict=lambda state: None)
     with pytest.raises(RuntimeError, match="^jdp.ft: the Lighthouse at ") as caught:
-        _replicas.Replicas._torchft(group, 5.0, 5.0)
+        _replicas.Replicas._torchft(group, 5.0, 5.0, 1.0)
     assert _run.failure_code(caught.value) == code
