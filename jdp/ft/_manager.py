@@ -222,7 +222,6 @@ def unreachable(error: Exception, lighthouse: str, past: int) -> str | None:
             "JDP_FT_LIGHTHOUSE)")
 
 
-
 class Sum:
     """An all-reduce (sum) of host tensors across the quorum's groups, in place, started now
     and waited for later: one tensor's collective at a time, on a thread of its own.
