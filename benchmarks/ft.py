@@ -64,24 +64,33 @@ SIZES = {
 EXCHANGE_DEVICES = (2, 8)   # a group's process as in the FT jobs, and a GPU node's count
 
 
+def stall_of(events: list, group: int, at: float) -> tuple:
+    """The survivors' stall when `group` was killed at time `at`, from the groups' `events`:
+    from the kill to the first commit by another group of a group set without the killed
+    group, or, when the group came back before the survivors committed (they waited for it),
+    to their first commit after its heal. `(stall_s or None, waited, the heal event or None)`
+    (the churn test bounds the same figure)."""
+    heals = [e for e in events[group] if e["event"] == "heal" and e["time"] > at]
+    back = heals[0]["time"] if heals else float("inf")
+    commits = [e["time"] for s, ev in enumerate(events) if s != group for e in ev
+               if e["event"] == "commit" and e["time"] > at
+               and (group not in e["groups"] or e["time"] >= back)]
+    first = min(commits, default=None)
+    return (None if first is None else first - at, first is not None and first >= back,
+            heals[0] if heals else None)
+
+
 def stalls(job: Job, kills: list) -> list:
-    """Per kill of a group: the survivors' stall, from the kill to the first commit in any
-    survivor's events of a group set without the killed group, or, when the group came back
-    before the survivors committed (they waited for it), to their first commit after its heal;
-    and the returning group's heal time (its heal event's seconds). None where none came."""
+    """Per kill of a group: `stall_of`'s stall and whether the survivors waited for the
+    group's return; the returning group's heal time (its heal event's seconds). None where
+    none came."""
     events = [read(path) for path in job.events]
     out = []
     for kill in kills:
-        g, t = kill["victim"], kill["time"]
-        heals = [e for e in events[g] if e["event"] == "heal" and e["time"] > t]
-        back = heals[0]["time"] if heals else float("inf")
-        commits = [e["time"] for s, ev in enumerate(events) if s != g for e in ev
-                   if e["event"] == "commit" and e["time"] > t
-                   and (g not in e["groups"] or e["time"] >= back)]
-        out.append({**kill, "stall_s": min(commits) - t if commits else None,
-                    "waited": bool(commits) and min(commits) >= back,
-                    "heal_s": heals[0]["seconds"] if heals else None,
-                    "heal_step": heals[0]["step"] if heals else None})
+        stall, waited, heal = stall_of(events, kill["victim"], kill["time"])
+        out.append({**kill, "stall_s": stall, "waited": waited,
+                    "heal_s": heal["seconds"] if heal else None,
+                    "heal_step": heal["step"] if heal else None})
     return out
 
 

@@ -21,6 +21,8 @@ import optax
 import pytest
 from conftest import REPO, free_port, job_env, start_launcher
 
+from benchmarks.ft import stall_of
+
 pytest.importorskip("torchft")
 GROUPS, STEPS, BATCH, WIDTH, LR = 3, 900, 8, 32, 0.01
 
@@ -273,19 +275,11 @@ def wait_for_return(tmp_path, group: int, since: float, at: str, timeout: float 
 
 
 def stalls(events: list, kills: list) -> list:
-    """Per kill, the survivors' stall: from the kill to the first commit by another group
-    without the killed group or, when that group healed first (the others waited for it),
-    after its heal."""
-    out = []
-    for kill in kills:
-        g, t = kill["group"], kill["time"]
-        back = min((e["time"] for e in events[g] if e["event"] == "heal" and e["time"] > t),
-                   default=float("inf"))
-        commits = [e["time"] for s, ev in enumerate(events) if s != g for e in ev
-                   if e["event"] == "commit" and e["time"] > t
-                   and (g not in e["groups"] or e["time"] >= back)]
-        out.append(min(commits, default=float("inf")) - t)
-    return out
+    """Per kill, the survivors' stall as the benchmark measures it (`benchmarks.ft.stall_of`:
+    from the kill to the first commit by another group without the killed group or, when
+    that group healed first, after its heal); infinite where none came."""
+    return [stall if (stall := stall_of(events, k["group"], k["time"])[0]) is not None
+            else float("inf") for k in kills]
 
 
 def rejoins(events: list) -> list:
