@@ -29,6 +29,7 @@ OP_TIMEOUT_S = 10      # default: an all-reduce, a commit vote, a state transfer
 SETUP_TIMEOUT_S = 1    # default: the process group's set-up across a quorum's groups
 CONNECT_TIMEOUT_S = 10
 ACCESS_LOG = "jdp.ft.checkpoint_server"   # torchft's checkpoint server's access lines
+SUM_LOG = "jdp.ft.sum"   # the traceback of a failed all-reduce across groups (`Sum`)
 
 
 def host_name() -> str:
@@ -67,8 +68,8 @@ def _no_flight_recorder(record: logging.LogRecord) -> bool:
 
 
 def torchft_log(events: str | None, index: int) -> str | None:
-    """Send torchft's own log (its tracebacks of every failed all-reduce, three per discarded
-    step) and its checkpoint server's access log ("GET /checkpoint/0/full") to
+    """Send torchft's own log, the traceback of every failed all-reduce across groups (`Sum`)
+    and torchft's checkpoint server's access log ("GET /checkpoint/0/full") to
     `torchft.K.log` beside the group's events file (K: this process's index in the group),
     or, without an events file, to the logger `jdp.ft.torchft` at debug level. The console
     keeps jdp's one line per discarded step. Returns the file's path (None: none)."""
@@ -81,7 +82,8 @@ def torchft_log(events: str | None, index: int) -> str | None:
         except OSError:
             path = None
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    for name, level in (("torchft", logging.WARNING), (ACCESS_LOG, logging.INFO)):
+    for name, level in (("torchft", logging.WARNING), (SUM_LOG, logging.WARNING),
+                        (ACCESS_LOG, logging.INFO)):
         log = logging.getLogger(name)
         for old in [h for h in log.handlers if getattr(h, "_jdp", False)]:
             log.removeHandler(old)
@@ -257,6 +259,8 @@ class Sum:
         except Exception as e:   # noqa: BLE001 - any failure is the attempt's, as in torchft
             self._manager.report_error(e)
             self._pg.abort()
+            logging.getLogger(SUM_LOG).warning("the all-reduce across groups failed",
+                                               exc_info=True)
 
     def wait(self) -> bool:
         """Wait for the sum (the collectives' own timeout bounds it); False when it failed

@@ -12,8 +12,10 @@ from jdp.data import DistributedSampler
 
 
 def events(path: pathlib.Path) -> list:
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    """The record's events; a last line still being written (no newline yet) is left for
+    the next read."""
+    lines = path.read_text().split("\n") if path.exists() else []
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 def _merged(event_lists: list, row) -> dict:
