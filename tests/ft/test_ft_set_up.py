@@ -52,10 +52,11 @@ def test_a_store_that_takes_no_client_fails_the_set_up_by_its_deadline():
     assert _manager.SETUP_TIMEOUT_S <= waited < _manager.SETUP_TIMEOUT_S + 0.5, waited
 
 
-def test_the_sum_across_groups_adds_every_tensor_and_a_failure_is_reported():
+def test_the_sum_across_groups_adds_every_tensor_and_a_failure_is_reported(caplog):
     """`_manager.Sum` (one collective at a time, on its own thread) on a real gloo process
     group of one: every tensor, of either dtype, comes back (the sum over one group is itself);
-    on a process group that fails, the error reaches torchft's manager and `wait` says False.
+    on a process group that fails, the error reaches torchft's manager, its traceback the
+    group's torchft log (`SUM_LOG`), and `wait` says False.
     The sums across groups are checked against replays in tests/system/ft."""
     from torch.distributed import TCPStore
     from torchft.process_group import ProcessGroupGloo
@@ -84,8 +85,10 @@ def test_the_sum_across_groups_adds_every_tensor_and_a_failure_is_reported():
     assert _manager.Sum(manager, pg, tensors).wait() and manager.error is None
     assert tensors[0].tolist() == [0.0, 1.0, 2.0, 3.0] and tensors[1].tolist() == [1.0, 1.0]
     pg.abort()   # its collectives now fail
-    assert not _manager.Sum(manager, pg, [torch.ones(3)]).wait()
+    with caplog.at_level("WARNING", logger=_manager.SUM_LOG):
+        assert not _manager.Sum(manager, pg, [torch.ones(3)]).wait()
     assert manager.error is not None
+    assert "all-reduce across groups failed" in caplog.text and "Traceback" in caplog.text
 
 
 def test_the_set_up_deadline_is_an_option_checked_in_one_line():
