@@ -73,11 +73,12 @@ print("FINAL " + json.dumps({"round": r, "step": n, "world": jax.process_count()
 def records(text: str, kind: str) -> list:
     """The `kind` records of complete lines (a rank killed mid-print leaves a partial one).
 
-    `print` writes the record and its newline in two writes, so gloo's own log line on the
-    shared stderr can land between them: each record is the JSON value at the line's start."""
-    decode = json.JSONDecoder().raw_decode
-    return [decode(line[len(kind) + 1:])[0] for line in text.split("\n")[:-1]
-            if line.startswith(kind + " ")]
+    A rank's stdout and stderr share one pipe, and gloo writes its log lines to stderr in
+    pieces, so a piece can land before a record on its line ("[Gloo] Rank IDS {...}") or after
+    it: each record is the JSON value after the first `kind` marker of its line."""
+    decode, marker = json.JSONDecoder().raw_decode, kind + " {"
+    return [decode(line[line.index(marker) + len(kind) + 1:])[0]
+            for line in text.split("\n")[:-1] if marker in line]
 
 
 def launcher(tmp_path, tag, port, node, script, devices=1, batch=BATCH):
