@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.core import (
     AXIS,
+    Step,
     batch_leaves,
     bool_options,
     device_eval_step,
@@ -43,7 +44,6 @@ from jdp.core import (
     forms,
     layouts,
     leaf_name,
-    make_step,
     one_size,
     place,
     prng_keys,
@@ -140,7 +140,7 @@ def place_rows(rows: Any, devices: Sequence[jax.Device] | None = None) -> Any:
 def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "mean",
                accum_steps: int = 1, model_state_sync: str | None = "mean",
                comm_dtype: Any = None, donate: bool = True,
-               max_in_flight: int = 2) -> Callable:
+               max_in_flight: int = 2) -> Step:
     """`jdp.train_step` in the pmap form: a real `jax.pmap` over the local devices.
 
     The state comes from `replicate`, batches are `[local_devices, per_device, ...]` (`shard`,
@@ -156,35 +156,35 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         device_train_step, loss_fn=loss_fn, has_aux=o["has_aux"], grad_reduce=o["grad_reduce"],
         accum_steps=o["accum_steps"], model_state_sync=o["model_state_sync"],
         comm_dtype=comm_dtype)
-    transform = functools.partial(_marked_pmap, axis_name=AXIS,
+    transform = functools.partial(_MarkedPmap, axis_name=AXIS,
                                   donate_argnums=(0,) if o["donate"] else ())
     check = functools.partial(_check, accum_steps=o["accum_steps"], train=True)
-    return make_step(body, check, transform, _place_stop, max_in_flight=o["max_in_flight"],
-                               train=True, donate=o["donate"])
+    return Step(body, check, transform, _place_stop, max_in_flight=o["max_in_flight"],
+                train=True, donate=o["donate"])
 
 
-def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
+def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Step:
     """`jdp.eval_step` in the pmap form: totals come back stacked (every copy the same)."""
     max_in_flight = train_options("mean", 1, "mean", max_in_flight,
                                   who="jdp.pmap.eval_step")["max_in_flight"]
     body = functools.partial(device_eval_step, metric_fn=metric_fn)
-    return make_step(body, functools.partial(_check, accum_steps=1),
-                               functools.partial(_marked_pmap, axis_name=AXIS), _place_stop,
-                               max_in_flight=max_in_flight, train=False)
+    return Step(body, functools.partial(_check, accum_steps=1),
+                functools.partial(_MarkedPmap, axis_name=AXIS), _place_stop,
+                max_in_flight=max_in_flight, train=False)
 
 
-def _marked_pmap(fn: Callable, **options: Any) -> Callable:
+class _MarkedPmap:
     """`jax.pmap(fn, **options)` whose outputs carry the pmap form's mark (`local_sharding()`):
     jax.pmap gives them the sharding of a global batch on jdp's own axis name. The buffers
     are rewrapped, not copied."""
-    pmapped = jax.pmap(fn, **options)
 
-    def call(*args):
-        out, done = pmapped(*args)
+    def __init__(self, fn: Callable, **options: Any) -> None:
+        self._pmapped = jax.pmap(fn, **options)
+        self.lower = self._pmapped.lower
+
+    def __call__(self, *args: Any) -> tuple:
+        out, done = self._pmapped(*args)
         return mark(out), done
-
-    call.lower = pmapped.lower
-    return call
 
 
 def mark(tree: Any) -> Any:

@@ -6,9 +6,10 @@ of every process as `jax.jit` of `jax.shard_map` over `mesh()`, with `lax.pmean`
 
 For jdp's other packages, not re-exported by jdp, each under its own name: `layouts`, the
 interface an adapter (the pmap form) plugs its layout into; and what the pmap form, the Loader
-and the Checkpointer build on: the per-device step functions, the step's dispatch, the option
-and leaf checks, placement, which field holds the model state (`jdp.ft`), ZeRO's records and
-the bound on own steps in flight (`StepWindow`).
+and the Checkpointer build on: the per-device step functions, the step's dispatch (`Step`;
+`TrainStep`, whose two halves `jdp.ft` drives), the option and leaf checks, placement, which
+field holds the model state (`jdp.ft`), ZeRO's records and the bound on own steps in flight
+(`StepWindow`).
 """
 from jdp.core import layouts
 from jdp.core._checks import (
@@ -20,25 +21,25 @@ from jdp.core._checks import (
     train_options,
     trainable,
 )
-from jdp.core._dispatch import make_step, stop_values
+from jdp.core._dispatch import Step, stop_values
 from jdp.core._grads import model_state_field
 from jdp.core._inflight import StepWindow
 from jdp.core._layers import layer, layer_policy
 from jdp.core._mesh import AXIS, batch_sharded, mesh, place, replicated
 from jdp.core._state import TrainState, broadcast, divisible_rows, shard, unshard
 from jdp.core._step import (
+    TrainStep,
     device_eval_step,
     device_train_step,
     eval_step,
     reduce_gradients,
-    split_train_step,
     train_step,
 )
 
 __all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "layer", "layer_policy", "mesh",
            "reduce_gradients", "shard", "train_step", "unshard",
            # for jdp's other packages
-           "StepWindow", "batch_leaves", "batch_sharded", "bool_options", "device_eval_step",
-           "device_train_step", "divisible_rows", "layouts", "leaf_name",
-           "make_step", "model_state_field", "not_donated", "one_size", "place", "replicated",
-           "split_train_step", "stop_values", "train_options", "trainable"]
+           "Step", "StepWindow", "TrainStep", "batch_leaves", "batch_sharded", "bool_options",
+           "device_eval_step", "device_train_step", "divisible_rows", "layouts", "leaf_name",
+           "model_state_field", "not_donated", "one_size", "place", "replicated",
+           "stop_values", "train_options", "trainable"]

@@ -21,16 +21,19 @@ from jdp.job import rank as _rank
 from jdp.metrics import profile as _profile
 
 
-def make_step(body: Callable, check: Callable, transform: Callable, place_stop: Callable, *,
-              max_in_flight: int, train: bool, donate: bool = False,
-              announce: Callable[[int], None] | None = None) -> Callable:
-    """`step(state, batch)` running `transform(body)(state, batch, stop) -> (out, done)`.
+class Step:
+    """`step(state, batch)`: `transform(body)(state, batch, stop) -> (out, done)`, dispatched.
+
+    A call reads top to bottom: refuse a donated state, announce the call (the agreement
+    point), record progress, run the compiled step (checking the inputs only while it traces),
+    and bound the steps in flight. `lower(state, batch)` lowers it as a call would run it.
 
     Args:
         body: the step on global (or stacked) inputs; returns its outputs and one small array
             that is ready when the step is (a train step's agreed stop flag).
         check: `check(state, batch)` on the concrete inputs of a call that traces.
-        transform: `jax.jit` or `jax.pmap` with the step's options (donation).
+        transform: `jax.jit` or `jax.pmap` with the step's options (donation); what it
+            returns is called and has `lower`.
         place_stop: `place_stop(flag) -> array`, the per-device stop flag the body takes.
         max_in_flight: steps dispatched ahead before the call waits for the oldest.
         train: a train step (counts steps, hands the agreed stop flag to `jdp.preempted`).
@@ -40,67 +43,75 @@ def make_step(body: Callable, check: Callable, transform: Callable, place_stop: 
         announce: `announce(n)` before the n-th call is dispatched: the agreement point that
             names a process skipping the call (`collective_call`).
     """
-    tracing: list = [None]   # the concrete inputs of the call under way, for `check`
 
-    def traced(state, batch, stop):
-        if tracing[0] is not None:
-            check(*tracing[0])
-        return body(state, batch, stop)
+    def __init__(self, body: Callable, check: Callable, transform: Callable,
+                 place_stop: Callable, *, max_in_flight: int, train: bool,
+                 donate: bool = False, announce: Callable[[int], None] | None = None) -> None:
+        self._body, self._check, self._place_stop = body, check, place_stop
+        self.max_in_flight, self.train, self.donate = max_in_flight, train, donate
+        self._announce = announce
+        self._compiled = transform(self._traced)
+        self._tracing: tuple | None = None   # the concrete inputs of the call under way
+        self._stops: dict = {}                # stop flag -> its placed per-device array
+        self._pending: collections.deque = collections.deque()
+        self.calls = 0
 
-    compiled = transform(traced)
-    stops: dict = {}
-    pending: collections.deque = collections.deque()
-    calls = [0]
-    phase = "step" if train else "eval"
-
-    def stop_array() -> Any:
-        flag = _rank.current().stop.flag()
-        if flag not in stops:
-            stops[flag] = place_stop(flag)
-        return stops[flag]
-
-    def step(state, batch):
-        if donate and _deleted(getattr(state, "step", None)):
+    def __call__(self, state: Any, batch: Any) -> Any:
+        if self.donate and _deleted(getattr(state, "step", None)):
             _checks.not_donated(state)
-        calls[0] += 1
-        if announce is not None:
-            announce(calls[0])
+        self.calls += 1
+        if self._announce is not None:
+            self._announce(self.calls)
         _inflight.jdp_step_called()
         # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
-        _rank.record(phase, calls[0] if train else None)
-        traced_step = _profile.before_step(calls[0]) if train else None
-        tracing[0] = (state, batch)
-        try:
-            if traced_step is None:
-                out, done = compiled(state, batch, stop_array())
-            else:
-                with traced_step:
-                    out, done = compiled(state, batch, stop_array())
-        except Exception:
-            check(state, batch)  # inputs the transform refused before tracing: say why
-            raise
-        finally:
-            tracing[0] = None
-        if traced_step is not None:
-            _profile.after_step(calls[0], done)
-        pending.append(done)
-        if len(pending) > max_in_flight:
-            _settle(pending.popleft(), train)
+        _rank.record("step" if self.train else "eval", self.calls if self.train else None)
+        out, done = self._run(state, batch)
+        self._pending.append(done)
+        if len(self._pending) > self.max_in_flight:
+            _settle(self._pending.popleft(), self.train)
         return out
 
-    def lower(state, batch):
-        tracing[0] = (state, batch)
+    def lower(self, state: Any, batch: Any) -> Any:
+        """The step lowered for these inputs (checked as a first call's are)."""
+        self._tracing = (state, batch)
         try:
-            return compiled.lower(state, batch, stop_array())
+            return self._compiled.lower(state, batch, self._stop_array())
         finally:
-            tracing[0] = None
+            self._tracing = None
 
-    step.lower = lower
-    return step
+    def _run(self, state: Any, batch: Any) -> tuple:
+        """The compiled step on these inputs, under the profiler's window when it is open."""
+        traced_step = _profile.before_step(self.calls) if self.train else None
+        self._tracing = (state, batch)
+        try:
+            if traced_step is None:
+                out, done = self._compiled(state, batch, self._stop_array())
+            else:
+                with traced_step:
+                    out, done = self._compiled(state, batch, self._stop_array())
+        except Exception:
+            self._check(state, batch)  # inputs the transform refused before tracing: say why
+            raise
+        finally:
+            self._tracing = None
+        if traced_step is not None:
+            _profile.after_step(self.calls, done)
+        return out, done
+
+    def _traced(self, state: Any, batch: Any, stop: Any) -> Any:
+        if self._tracing is not None:
+            self._check(*self._tracing)
+        return self._body(state, batch, stop)
+
+    def _stop_array(self) -> Any:
+        flag = _rank.current().stop.flag()
+        if flag not in self._stops:
+            self._stops[flag] = self._place_stop(flag)
+        return self._stops[flag]
 
 
 def collective_call(topic: str, who: str, every_call: bool, **options: Any) -> Callable:
-    """`announce` for `make_step`: an agreement point (`jdp.distributed.agree`) at the first
+    """`announce` for a `Step`: an agreement point (`jdp.distributed.agree`) at the first
     call (`every_call`: at every call) where every process must pass the same `options`, so a
     process that skips the call, or built the step with other options, is named on every
     process. A train step announces its first call only: nothing per step after it."""

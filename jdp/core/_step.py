@@ -229,7 +229,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
                accum_steps: int = 1, model_state_sync: str | None = "mean",
                comm_dtype: Any = None, donate: bool = True, max_in_flight: int = 2,
                shard_optimizer: bool = False, shard_params: bool | int | str = False,
-               compute_dtype: Any = None, cast_batch: bool = True) -> Callable:
+               compute_dtype: Any = None, cast_batch: bool = True) -> TrainStep:
     """Make a data-parallel train step from a pure single-device loss.
 
     `step(state, batch)` runs `loss_fn` on every device's slice of `batch`, all-reduces the
@@ -294,8 +294,9 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
             above 256): keep labels integer, which are never cast.
 
     Returns:
-        `step(state, batch) -> (state, metrics)`, metrics with "loss" (and the aux metrics),
-        averaged over devices. `step.lower(state, batch)` gives the lowered computation.
+        A `TrainStep`: `step(state, batch) -> (state, metrics)`, metrics with "loss" (and the
+        aux metrics), averaged over devices. `step.lower(state, batch)` gives the lowered
+        computation, `step.options` the checked options.
 
     Example:
         >>> import jdp, numpy as np, optax
@@ -309,57 +310,98 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
         >>> float(metrics["loss"])
         1.0
     """
-    options = StepOptions(
+    return TrainStep(StepOptions(
         loss_fn, has_aux=has_aux, grad_reduce=grad_reduce, accum_steps=accum_steps,
         model_state_sync=model_state_sync, comm_dtype=comm_dtype, donate=donate,
         max_in_flight=max_in_flight, shard_optimizer=shard_optimizer,
-        shard_params=shard_params, compute_dtype=compute_dtype, cast_batch=cast_batch)
-    body = functools.partial(_global_train_step, options=options)
-
-    def check(state, batch):
-        require_job("jdp.train_step")
-        _checks.placed_state(state, options.shard_optimizer, options.shard_params)
-        _checks.global_batch(batch, options.accum_steps)
-
-    donate = options.donate
-    transform = _fsdp_placed(functools.partial(jax.jit, donate_argnums=(0,) if donate else ()),
-                             options)
-    announce = _dispatch.collective_call("train_step", "jdp.train_step", False,
-                                         **options.agreed())
-    step = _dispatch.make_step(body, check, transform, place_stop,
-                               max_in_flight=options.max_in_flight, train=True, donate=donate,
-                               announce=announce)
-    if options.shard_params and options.model_state_sync is None:
-        return _model_state_checked(step)
-    return step
+        shard_params=shard_params, compute_dtype=compute_dtype, cast_batch=cast_batch))
 
 
-def split_train_step(loss_fn: Callable, **options: Any) -> tuple:
-    """`jdp.train_step(loss_fn, **options)` in its two halves, for a caller that reduces the
-    gradients further between them (`jdp.ft`, across replica groups).
+class TrainStep(_dispatch.Step):
+    """The step `jdp.train_step` makes: `step(state, batch) -> (state, metrics)`.
 
-    Returns:
-        `(gradients, update)`: `gradients(state, batch) -> (grads, new_model_state,
-        metrics)`, dispatched as the whole step is (checked once per signature, announced at
-        its first call, progress recorded; never donating, so a discarded step keeps its
-        state), and `update(state, grads, new_model_state) -> state`, jitted and donating the
-        state when `donate`.
+    Its `options` are the checked `StepOptions`; `lower(state, batch)` lowers it; and the two
+    halves a caller that reduces gradients further between them needs (`jdp.ft`, across
+    replica groups) are `gradients` and `update`.
     """
-    o = StepOptions(loss_fn, **options)
 
-    def check(state, batch):
+    def __init__(self, options: StepOptions) -> None:
+        self.options = options
+        donating = functools.partial(jax.jit, donate_argnums=(0,) if options.donate else ())
+        super().__init__(functools.partial(_global_train_step, options=options), self.check,
+                         _fsdp_placed(donating, options), place_stop,
+                         max_in_flight=options.max_in_flight, train=True,
+                         donate=options.donate, announce=_announced(options))
+        self._model_state = _ModelStateCheck()
+
+    def __call__(self, state: Any, batch: Any) -> tuple:
+        new, metrics = super().__call__(state, batch)
+        field = _grads.model_state_field(new)
+        self._model_state(field, getattr(new, field) if field else None, metrics)
+        return new, metrics
+
+    def check(self, state: Any, batch: Any) -> None:
+        """The inputs of a call that traces: a job, the state placed for these options, a
+        global batch that splits into the micro-batches."""
         require_job("jdp.train_step")
-        _checks.placed_state(state, o.shard_optimizer, o.shard_params)
-        _checks.global_batch(batch, o.accum_steps)
+        _checks.placed_state(state, self.options.shard_optimizer, self.options.shard_params)
+        _checks.global_batch(batch, self.options.accum_steps)
 
-    announce = _dispatch.collective_call("train_step", "jdp.train_step", False, **o.agreed())
-    gradients = _dispatch.make_step(functools.partial(group_gradients, options=o), check,
-                                    _fsdp_placed(jax.jit, o), place_stop,
-                                    max_in_flight=o.max_in_flight,
-                                    train=True, announce=announce)
-    update = jax.jit(functools.partial(apply_update, options=o),
-                     donate_argnums=(0,) if o.donate else ())
-    return gradients, update
+    @functools.cached_property
+    def gradients(self) -> _Gradients:
+        """The first half: `gradients(state, batch) -> (grads, new_model_state, metrics)`,
+        dispatched as the whole step is (checked once per signature, announced at its first
+        call, progress recorded) but never donating, so a discarded step keeps its state."""
+        o = self.options
+        return _Gradients(functools.partial(group_gradients, options=o), self.check,
+                          _fsdp_placed(jax.jit, o), place_stop, max_in_flight=o.max_in_flight,
+                          train=True, announce=_announced(o))
+
+    @functools.cached_property
+    def update(self) -> Callable:
+        """The second half: `update(state, grads, new_model_state) -> state`, jitted and
+        donating the state when `donate`."""
+        return jax.jit(functools.partial(apply_update, options=self.options),
+                       donate_argnums=(0,) if self.options.donate else ())
+
+
+def _announced(options: StepOptions) -> Callable[[int], None]:
+    """The train step's agreement point: at the first call, every process's options alike."""
+    return _dispatch.collective_call("train_step", "jdp.train_step", False, **options.agreed())
+
+
+class _Gradients(_dispatch.Step):
+    """A train step's first half (`TrainStep.gradients`)."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self._model_state = _ModelStateCheck()
+
+    def __call__(self, state: Any, batch: Any) -> tuple:
+        grads, new_ms, metrics = super().__call__(state, batch)
+        self._model_state(_grads.model_state_field(state), new_ms, metrics)
+        return grads, new_ms, metrics
+
+
+class _ModelStateCheck:
+    """FSDP's step with `model_state_sync=None` keeps device 0's model state; the devices'
+    states exist only inside the step, so its metrics carry which leaf differed (1 + its
+    index, or 0). At the first call that has one: a ValueError unless none did. The entry
+    never reaches the caller's metrics."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __call__(self, field: str | None, model_state: Any, metrics: dict) -> None:
+        differs = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
+        if differs is None or self.done:
+            return
+        self.done = True
+        first = int(np.asarray(differs.addressable_data(0)))
+        if first:
+            path = jax.tree_util.tree_flatten_with_path(model_state)[0][first - 1][0]
+            raise _checks.unsynced_model_state(field + jax.tree_util.keystr(path),
+                                               "came out different on the devices")
 
 
 def _fsdp_placed(transform: Callable, options: StepOptions) -> Callable:
@@ -371,29 +413,6 @@ def _fsdp_placed(transform: Callable, options: StepOptions) -> Callable:
     if not _layers.policy_of(options.loss_fn).enabled:
         return lambda body: transform(_placement.by_compiler(body))
     return lambda body: _placement.LowerPeak(body, transform, "jdp.train_step")
-
-
-def _model_state_checked(step: Callable) -> Callable:
-    """FSDP's step with `model_state_sync=None`, which keeps device 0's model state: on the
-    first call that has one, a ValueError unless every device's came out the same (the
-    devices' states exist only inside the step, so the step returns which leaf differs)."""
-    checked = [False]
-
-    def call(state, batch):
-        new, metrics = step(state, batch)
-        differs = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
-        if differs is not None and not checked[0]:
-            checked[0] = True
-            first = int(np.asarray(differs.addressable_data(0)))   # 1 + leaf index, or 0
-            if first:
-                field = _grads.model_state_field(new)
-                path = jax.tree_util.tree_flatten_with_path(getattr(new, field))[0][first - 1][0]
-                raise _checks.unsynced_model_state(field + jax.tree_util.keystr(path),
-                                                   "came out different on the devices")
-        return new, metrics
-
-    call.lower = step.lower
-    return call
 
 
 def device_eval_step(state, batch, stop, *, metric_fn):
@@ -411,7 +430,7 @@ def device_eval_step(state, batch, stop, *, metric_fn):
     return totals, totals["count"]
 
 
-def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
+def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> _dispatch.Step:
     """Make a data-parallel evaluation that is exact over padded batches.
 
     `metric_fn(state, batch)` runs on one device's slice and returns a dict of per-example
@@ -461,9 +480,8 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> Callable:
         batch_rows(batch, who)
         _checks.global_batch(batch, 1)
 
-    return _dispatch.make_step(body, check, jax.jit, place_stop, max_in_flight=max_in_flight,
-                               train=False, announce=_dispatch.collective_call(
-                                   "eval_step", who, True))
+    return _dispatch.Step(body, check, jax.jit, place_stop, max_in_flight=max_in_flight,
+                          train=False, announce=_dispatch.collective_call("eval_step", who, True))
 
 
 def _noting(metric_fn: Callable, tree: list) -> Callable:

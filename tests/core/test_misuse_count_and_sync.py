@@ -57,6 +57,22 @@ def test_model_state_sync_none_with_a_per_device_model_state_is_refused(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_the_steps_first_half_refuses_a_per_device_model_state_as_the_step_does(layout):
+    """`step.gradients` (what jdp.ft runs) checks as the whole step does, and its metrics
+    are the loss alone when the model state agrees."""
+    for synced in (False, True):
+        step = jdp.train_step(ms_loss(synced=synced), model_state_sync=None, **layout)
+        args = ms_state(**layout), jdp.shard({"x": X})
+        if not synced:
+            one_line_error(ValueError, ["model_state_sync=None", "model_state['m']"],
+                           step.gradients, *args)
+            continue
+        _, new_ms, metrics = step.gradients(*args)
+        assert sorted(metrics) == ["loss"], metrics
+        np.testing.assert_allclose(float(new_ms["m"]), X.mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
 def test_model_state_sync_none_with_a_model_state_synced_in_the_forward_pass_trains(layout):
     step = jdp.train_step(ms_loss(synced=True), model_state_sync=None, **layout)
     state = ms_state(**layout)

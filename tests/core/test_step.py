@@ -84,6 +84,29 @@ def test_one_step_on_8_devices_equals_single_device_on_global_batch(tx, form):
     assert_tree_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("options", [{}, {"shard_optimizer": True}, {"shard_params": True}],
+                         ids=["replicated", "zero", "fsdp"])
+def test_the_steps_two_halves_one_after_the_other_train_as_single_device_optax(options):
+    """`step.gradients` then `step.update` (what jdp.ft runs, with its sum between them)
+    train as single-device optax on the global batch, and leave the state given them."""
+    tx, batches = optax.adam(1e-2), [data(N * 4, seed=s) for s in range(3)]
+    layout = {k: v for k, v in options.items() if k in ("shard_optimizer", "shard_params")}
+    state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=mlp_params(), tx=tx),
+                          **layout)
+    step = jdp.train_step(mse, **options)
+    assert step.options.shard_params == bool(options.get("shard_params"))
+    for b in batches:
+        grads, model_state, metrics = step.gradients(state, jdp.shard(b))
+        assert not state.step.is_deleted()   # the first half never donates
+        state = step.update(state, grads, model_state)
+    expected = single_device_steps(mlp_params(), tx, batches)
+    assert_tree_close(jax.device_get(jdp.unshard(state).params), expected, rtol=1e-5,
+                      atol=1e-6)
+    before_last = single_device_steps(mlp_params(), tx, batches[:-1])
+    np.testing.assert_allclose(float(metrics["loss"]), float(mse(before_last, batches[-1])),
+                               rtol=1e-5)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_metrics_loss_is_global_batch_loss(form):
     batch = data(N * 4)

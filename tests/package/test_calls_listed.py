@@ -54,6 +54,6 @@ def test_every_announced_call_has_an_agreement_point_in_its_module():
     announced = [n for n, kind in table.items() if kind == "announced" and n in calls]
     assert len(announced) >= 12, announced
     for name in announced:
-        source = inspect.getsource(inspect.getmodule(calls[name]))
+        source = inspect.getsource(inspect.getmodule(inspect.unwrap(calls[name])))
         assert AGREES.search(source), f"{name} is listed as announced, but its module has no " \
                                       "agreement point"
