@@ -8,17 +8,21 @@ its parameters.
 - linen: `flax.linen.intercept_methods` sees every submodule's `__call__`; a layer is known by
   its module path, and runs as the module applied on its own, its other collections as they
   are.
-- NNX has no method interceptor, so the `__call__` of every NNX module class is wrapped for
-  the trace (and restored after): a call is known by its place in the call tree (a path of
-  call indices; the model's own call is `()`), and a layer runs on its `nnx.Param`s through
+- NNX has no method interceptor, so the `__call__` of every NNX module class is wrapped while
+  a trace needs it (and restored after); a wrapped call reports only to the trace of its own
+  context (a `contextvars.ContextVar`), so another thread's NNX calls run as written. A call
+  is known by its place in the call tree (a path of call indices; the model's own call is
+  `()`), and a layer runs on its `nnx.Param`s through
   `nnx.split` / `nnx.merge`, its other state (BatchNorm statistics, random counters) going in
   and coming back out as it would unwrapped.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -228,10 +232,38 @@ def _nnx_gathering(paths: frozenset):
         yield
 
 
+_CALLS: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar("jdp_nnx_calls",
+                                                                       default=None)
+_WRAPPED: dict = {"traces": 0, "own": []}   # traces under way, and the classes' own __call__s
+_WRAPPING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _wrapped(calls: _Calls):
-    """Every NNX module class's own `__call__` wrapped to report to `calls`, for the duration
-    (NNX offers no interceptor; the classes are restored on exit)."""
+    """The NNX calls of this context report to `calls` for the duration. NNX offers no
+    interceptor: every NNX module class's own `__call__` is wrapped while any trace needs it
+    (the classes are restored when the last one ends), and a wrapped call reports only to the
+    trace of its own context."""
+    token = _CALLS.set(calls)
+    with _WRAPPING:
+        if not _WRAPPED["traces"]:
+            _WRAPPED["own"] = _own_calls()
+            for cls, fn in _WRAPPED["own"]:
+                cls.__call__ = _reporting(fn)
+        _WRAPPED["traces"] += 1
+    try:
+        yield
+    finally:
+        _CALLS.reset(token)
+        with _WRAPPING:
+            _WRAPPED["traces"] -= 1
+            if not _WRAPPED["traces"]:
+                for cls, fn in _WRAPPED["own"]:
+                    cls.__call__ = fn
+
+
+def _own_calls() -> list:
+    """(class, its own `__call__`) of every NNX module class defined now."""
     from flax import nnx
 
     classes, seen = [nnx.Module], set()
@@ -240,22 +272,16 @@ def _wrapped(calls: _Calls):
         if cls not in seen:
             seen.add(cls)
             classes.extend(cls.__subclasses__())
-    own = [(cls, cls.__dict__["__call__"]) for cls in seen if "__call__" in cls.__dict__]
-    for cls, fn in own:
-        cls.__call__ = _reporting(fn, calls)
-    try:
-        yield
-    finally:
-        for cls, fn in own:
-            cls.__call__ = fn
+    return [(cls, cls.__dict__["__call__"]) for cls in seen if "__call__" in cls.__dict__]
 
 
-def _reporting(fn: Callable, calls: _Calls) -> Callable:
-    """`fn` (a module's `__call__`) reporting its call and place to `calls`; the calls inside
-    a layer, or inside a `super().__call__`, are not reported."""
+def _reporting(fn: Callable) -> Callable:
+    """`fn` (a module's `__call__`) reporting its call and place to the context's trace; the
+    calls outside a trace, inside a layer, or inside a `super().__call__` are not reported."""
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        if _layers._INSIDE.get() or calls.current is self:
+        calls = _CALLS.get()
+        if calls is None or _layers._INSIDE.get() or calls.current is self:
             return fn(self, *args, **kwargs)
         parent, path = calls.path, ()
         if calls.depth:

@@ -17,6 +17,7 @@ from flax.training import train_state
 
 from jdp.core import _checks, _inflight, _mesh, _zero, forms, layouts, prng_keys
 from jdp.distributed import agree, agree_once, broadcast_for, require_job
+from jdp.job import rank as _rank
 
 
 class TrainState(train_state.TrainState):
@@ -160,15 +161,14 @@ def shard(rows: Any, *, layout: str = "global") -> Any:
         return _adapter(layout).shard(rows)
     require_job("jdp.shard")
     batch = _mesh.place_rows(divisible_rows(rows, "jdp.shard"))
-    agree_once(_SHARD_SIGNATURES, "shard", batch, "jdp.shard",
+    rank = _rank.current()
+    agree_once(rank.agreement.shard_signatures, "shard", batch, "jdp.shard",
                "every process must pass the same number of rows, of the same dtypes "
                "and shapes (rows per process = global batch / processes)")
-    _SHARDED.handed(batch, count=False)   # the user's own step: seen and bounded in flight
+    if rank.in_flight.shard_window is None:   # jdp.shard's recent batches, one per field
+        rank.in_flight.shard_window = _inflight.StepWindow()
+    rank.in_flight.shard_window.handed(batch, count=False)   # the user's own step: bounded
     return batch
-
-
-_SHARD_SIGNATURES: set = set()   # batch signatures the processes agreed on (jdp.shard)
-_SHARDED = _inflight.StepWindow()   # jdp.shard's recent batches (one per field, called per field)
 
 
 def _adapter(layout: Any) -> layouts.Layout:

@@ -45,7 +45,7 @@ RING_AT = ACC_AT + 8 * (COMPILE + 1)
 KEPT = struct.Struct(f"<dq{COMPILE + 1}d")
 KEPT_AT = RING_AT + 8 * RING
 SLOT_SIZE = KEPT_AT + KEPT.size
-_DOUBLE = struct.Struct("<d")
+DOUBLE = struct.Struct("<d")
 DUPLICATE_SIGTERM_S = 1.0       # a SIGTERM this soon after the first is the same request
 _CODES = {name: i for i, name in enumerate(PHASES)}
 
@@ -74,15 +74,15 @@ class Progress:
         now = time.monotonic()
         if self.count:
             self.acc[self.charge] += now - self.last
-            _DOUBLE.pack_into(slot, ACC_AT + 8 * self.charge, self.acc[self.charge])
+            DOUBLE.pack_into(slot, ACC_AT + 8 * self.charge, self.acc[self.charge])
             if self.charge == _CODES["checkpoint"] and phase != "checkpoint":   # a save ended
                 KEPT.pack_into(slot, KEPT_AT, now, self.step, *self.acc)
         else:
-            _DOUBLE.pack_into(slot, FIRST_AT, now)
+            DOUBLE.pack_into(slot, FIRST_AT, now)
         code = _CODES.get(phase, 5)
         if step is not None and step != self.step:
             self.step = step
-            _DOUBLE.pack_into(slot, RING_AT + 8 * (step % RING), now)
+            DOUBLE.pack_into(slot, RING_AT + 8 * (step % RING), now)
         self.charge = code
         if code in self.first_calls:
             self.first_calls.discard(code)

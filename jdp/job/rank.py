@@ -27,18 +27,22 @@ from jdp.job import progress as _progress
 
 @dataclasses.dataclass
 class InFlight:
-    """jdp's own step calls (while they run, the user's batches stand aside) and the user's
-    own steps, counted through the Loader's batches."""
+    """jdp's own step calls (while they run, the user's batches stand aside), the user's
+    own steps, counted through the Loader's batches, and `jdp.shard`'s bound on the batches
+    it hands out (a `jdp.core.StepWindow`, made at its first call)."""
     jdp_calls: int = 0
     own_steps: int = 0
+    shard_window: Any = None
 
 
 @dataclasses.dataclass
 class Agreement:
     """Agreement points begun per topic (the n-th call of a topic meets the n-th elsewhere),
-    and whether `require_job` passed (later calls cost one attribute read)."""
+    whether `require_job` passed (later calls cost one attribute read), and the batch
+    signatures `jdp.shard` agreed on (each agreed once)."""
     rounds: dict = dataclasses.field(default_factory=dict)
     job_checked: bool = False
+    shard_signatures: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass

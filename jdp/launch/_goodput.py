@@ -64,12 +64,12 @@ def read(path: str) -> RankTimes | None:
     if data is None:
         return None
     count, step, code, last = _progress.HEAD.unpack_from(data)
-    first = _progress._DOUBLE.unpack_from(data, _progress.FIRST_AT)[0]
-    acc = [_progress._DOUBLE.unpack_from(data, _progress.ACC_AT + 8 * i)[0]
+    first = _progress.DOUBLE.unpack_from(data, _progress.FIRST_AT)[0]
+    acc = [_progress.DOUBLE.unpack_from(data, _progress.ACC_AT + 8 * i)[0]
            for i in range(_progress.COMPILE + 1)]
     arrivals = {}
     for k in range(max(1, step - _progress.RING + 1), step + 1):
-        t = _progress._DOUBLE.unpack_from(data, _progress.RING_AT + 8 * (k % _progress.RING))[0]
+        t = _progress.DOUBLE.unpack_from(data, _progress.RING_AT + 8 * (k % _progress.RING))[0]
         if t > 0:
             arrivals[k] = t
     phases = _progress.PHASES

@@ -204,6 +204,35 @@ def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
     check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
 
 
+def test_nnx_layer_discovery_sees_only_its_own_trace_and_restores_the_classes():
+    """Finding NNX layers wraps the module classes' `__call__` while it runs: a call from
+    another thread meanwhile runs unreported, and the classes get their own calls back."""
+    import threading
+
+    from flax import nnx
+
+    from jdp.core import _layers_flax
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    own_call = nnx.Linear.__dict__["__call__"]
+    seen: list = []
+
+    def report(module, path, call, args, kwargs):
+        seen.append((type(module), path))
+        return call(module, *args, **kwargs)
+
+    other: list = []
+    with _layers_flax._wrapped(_layers_flax._Calls(report)):
+        assert nnx.Linear.__dict__["__call__"] is not own_call   # wrapped for the trace
+        thread = threading.Thread(target=lambda: other.append(model(jnp.ones((1, 2)))))
+        thread.start()
+        thread.join()
+        assert other[0].shape == (1, 3) and seen == []   # the other thread's call: unreported
+        model(jnp.ones((1, 2)))
+    assert seen == [(nnx.Linear, ())]
+    assert nnx.Linear.__dict__["__call__"] is own_call
+
+
 @pytest.mark.slow   # half a minute of compiling: make test runs it, make test-fast does not
 def test_flax_lm1b_transformer_gathers_one_block_at_a_time_with_no_change():
     models = fsdp_unrolled.lm1b_models()
