@@ -73,7 +73,7 @@ def syncs(event_lists: list) -> dict:
 
 
 def replay_syncs(record: dict, groups: int, batch_size: int, width: int, lr: float,
-                 outer=None) -> dict:
+                 outer=None, processes: int = 1) -> dict:
     """The final parameters of LocalSGD (`outer` None) or DiLoCo (`outer`, an optax
     optimizer) replayed on one device: at each recorded sync, every group in it takes plain
     SGD steps from the last sync's parameters on the batches it read, then their parameters
@@ -88,7 +88,7 @@ def replay_syncs(record: dict, groups: int, batch_size: int, width: int, lr: flo
         for g in members:
             params = anchor
             for step in range(done + 1, inner + 1):
-                rows = group_batch(g, groups, step, batch_size)
+                rows = group_batch(g, groups, step, batch_size, processes)
                 g_ = grad(params, {k: v[rows] for k, v in data.items()})
                 params = jax.tree.map(lambda p, d: p - lr * d, params, g_)
             finals.append(params)
@@ -112,7 +112,7 @@ def commits(event_lists: list) -> list:
 
 
 def replay_streaming(record: list, groups: int, batch_size: int, width: int, lr: float,
-                     parts: tuple, outer=None) -> dict:
+                     parts: tuple, outer=None, processes: int = 1) -> dict:
     """Streaming LocalSGD or DiLoCo replayed on one device, every group in every sync (no
     kills): each group's own SGD trajectory; a fragment's sync takes the groups' fragments at
     the step it was sent, averages them (or their `anchor - params` through `outer`), and at
@@ -128,7 +128,7 @@ def replay_streaming(record: list, groups: int, batch_size: int, width: int, lr:
     last = max(merged for _, _, merged, _ in record)
     for step in range(1, last + 1):
         for g in range(groups):
-            rows = group_batch(g, groups, step, batch_size)
+            rows = group_batch(g, groups, step, batch_size, processes)
             d = jax.tree.leaves(grad(jax.tree.unflatten(treedef, params[g]),
                                      {k: v[rows] for k, v in data.items()}))
             params[g] = [p - lr * x for p, x in zip(params[g], d, strict=True)]

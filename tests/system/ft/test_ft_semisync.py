@@ -17,13 +17,14 @@ pytest.importorskip("torchft")
 GROUPS = 3
 
 
-def run(tmp_path, lighthouse, args):
+def run(tmp_path, lighthouse, args, processes=1):
     """The three groups' final parameters (the same bits on each) and their records."""
     tmp_path.mkdir(exist_ok=True)
     procs = [p for g in range(GROUPS)
-             for p in start_group(tmp_path, lighthouse, g, GROUPS, [str(a) for a in args])]
+             for p in start_group(tmp_path, lighthouse, g, GROUPS, [str(a) for a in args],
+                                  processes=processes, devices=2 if processes == 1 else 1)]
     logs = finish(procs, timeout=240)
-    assert [p.returncode for p in procs] == [0] * GROUPS, logs
+    assert [p.returncode for p in procs] == [0] * len(procs), logs
     finals = [np.load(tmp_path / f"p{g}.npz") for g in range(GROUPS)]
     for name in finals[0].files:   # one model at the end: the same bits on every group
         assert all(f[name].tobytes() == finals[0][name].tobytes() for f in finals), name
@@ -80,14 +81,17 @@ def test_diloco_whose_outer_step_is_sgd_1_is_localsgd(tmp_path, lighthouse):
         np.testing.assert_allclose(diloco[name], local[name], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("outer", ["diloco"])   # LocalSGD's merge is the same code
-def test_streaming_fragments_overlapped_equal_a_replay(tmp_path, lighthouse, outer):
+@pytest.mark.parametrize("outer, processes", [("diloco", 1), ("localsgd", 2)],
+                         ids=["diloco", "localsgd-2-processes"])
+def test_streaming_fragments_overlapped_equal_a_replay(tmp_path, lighthouse, outer, processes):
     """Streaming (`--fragments 2 --overlap 2`, H = 8): each fragment synced every 8 steps,
-    staggered by 4, merged 2 steps after it was sent, and every fragment again at the end."""
+    staggered by 4, merged 2 steps after it was sent, and every fragment again at the end;
+    in groups of one process (2 devices) and of two (1 device each: every process sends its
+    own pieces, the sync's exchange spans processes)."""
     steps, every, fragments, overlap = 22, 8, 2, 2
     final, events = run(tmp_path, lighthouse, [
         "--steps", steps, "--sync_every", every, "--fragments", fragments, "--overlap",
-        overlap, "--optimizer", "sgd", "--outer", outer])
+        overlap, "--optimizer", "sgd", "--outer", outer], processes=processes)
     record = ft_replay.commits(events)
     sends = [(inner, merged, f) for _, inner, merged, f in record[1:]]
     assert sends == [(4, 6, 0), (8, 10, 1), (12, 14, 0), (16, 18, 1), (20, 22, 0),
@@ -95,6 +99,7 @@ def test_streaming_fragments_overlapped_equal_a_replay(tmp_path, lighthouse, out
     from jdp.ft._outer import Outer
     parts = Outer(every, None, fragments).parts(example.init_params(WIDTH))
     tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer == "diloco" else None
-    want = ft_replay.replay_streaming(record, GROUPS, BATCH, WIDTH, LR, parts, tx)
+    want = ft_replay.replay_streaming(record, GROUPS, BATCH, WIDTH, LR, parts,
+                                      tx, processes)
     for name, value in want.items():
         np.testing.assert_allclose(final[name], value, atol=1e-6, rtol=0)
