@@ -42,14 +42,18 @@ class Step:
             leaf deleted, so its step counter alone tells.
         announce: `announce(n)` before the n-th call is dispatched: the agreement point that
             names a process skipping the call (`collective_call`).
+        after: `after(state, out)` once a call is dispatched, on its inputs' state and its
+            outputs (a check of what the step returned, which may take entries out of it).
     """
 
     def __init__(self, body: Callable, check: Callable, transform: Callable,
                  place_stop: Callable, *, max_in_flight: int, train: bool,
-                 donate: bool = False, announce: Callable[[int], None] | None = None) -> None:
+                 donate: bool = False, announce: Callable[[int], None] | None = None,
+                 after: Callable[[Any, Any], None] | None = None) -> None:
         self._body, self._check, self._place_stop = body, check, place_stop
         self.max_in_flight, self.train, self.donate = max_in_flight, train, donate
-        self._announce = announce
+        self._announce, self._after = announce, after
+        self._phase = "step" if train else "eval"
         self._compiled = transform(self._traced)
         self._tracing: tuple | None = None   # the concrete inputs of the call under way
         self._stops: dict = {}                # stop flag -> its placed per-device array
@@ -59,16 +63,19 @@ class Step:
     def __call__(self, state: Any, batch: Any) -> Any:
         if self.donate and _deleted(getattr(state, "step", None)):
             _checks.not_donated(state)
-        self.calls += 1
+        self.calls = calls = self.calls + 1
         if self._announce is not None:
-            self._announce(self.calls)
+            self._announce(calls)
         _inflight.jdp_step_called()
         # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
-        _rank.record("step" if self.train else "eval", self.calls if self.train else None)
-        out, done = self._run(state, batch)
-        self._pending.append(done)
-        if len(self._pending) > self.max_in_flight:
-            _settle(self._pending.popleft(), self.train)
+        _rank.record(self._phase, calls if self.train else None)
+        out, done = self._run(state, batch, calls)
+        if self._after is not None:
+            self._after(state, out)
+        pending = self._pending
+        pending.append(done)
+        if len(pending) > self.max_in_flight:
+            _settle(pending.popleft(), self.train)
         return out
 
     def lower(self, state: Any, batch: Any) -> Any:
@@ -79,9 +86,9 @@ class Step:
         finally:
             self._tracing = None
 
-    def _run(self, state: Any, batch: Any) -> tuple:
+    def _run(self, state: Any, batch: Any, calls: int) -> tuple:
         """The compiled step on these inputs, under the profiler's window when it is open."""
-        traced_step = _profile.before_step(self.calls) if self.train else None
+        traced_step = _profile.before_step(calls) if self.train else None
         self._tracing = (state, batch)
         try:
             if traced_step is None:
@@ -95,7 +102,7 @@ class Step:
         finally:
             self._tracing = None
         if traced_step is not None:
-            _profile.after_step(self.calls, done)
+            _profile.after_step(calls, done)
         return out, done
 
     def _traced(self, state: Any, batch: Any, stop: Any) -> Any:

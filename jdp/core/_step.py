@@ -331,14 +331,8 @@ class TrainStep(_dispatch.Step):
         super().__init__(functools.partial(_global_train_step, options=options), self.check,
                          _fsdp_placed(donating, options), place_stop,
                          max_in_flight=options.max_in_flight, train=True,
-                         donate=options.donate, announce=_announced(options))
-        self._model_state = _ModelStateCheck()
-
-    def __call__(self, state: Any, batch: Any) -> tuple:
-        new, metrics = super().__call__(state, batch)
-        field = _grads.model_state_field(new)
-        self._model_state(field, getattr(new, field) if field else None, metrics)
-        return new, metrics
+                         donate=options.donate, announce=_announced(options),
+                         after=_model_state_check(options, whole=True))
 
     def check(self, state: Any, batch: Any) -> None:
         """The inputs of a call that traces: a job, the state placed for these options, a
@@ -348,14 +342,15 @@ class TrainStep(_dispatch.Step):
         _checks.global_batch(batch, self.options.accum_steps)
 
     @functools.cached_property
-    def gradients(self) -> _Gradients:
+    def gradients(self) -> _dispatch.Step:
         """The first half: `gradients(state, batch) -> (grads, new_model_state, metrics)`,
         dispatched as the whole step is (checked once per signature, announced at its first
         call, progress recorded) but never donating, so a discarded step keeps its state."""
         o = self.options
-        return _Gradients(functools.partial(group_gradients, options=o), self.check,
-                          _fsdp_placed(jax.jit, o), place_stop, max_in_flight=o.max_in_flight,
-                          train=True, announce=_announced(o))
+        return _dispatch.Step(functools.partial(group_gradients, options=o), self.check,
+                              _fsdp_placed(jax.jit, o), place_stop,
+                              max_in_flight=o.max_in_flight, train=True,
+                              announce=_announced(o), after=_model_state_check(o, whole=False))
 
     @functools.cached_property
     def update(self) -> Callable:
@@ -370,29 +365,30 @@ def _announced(options: StepOptions) -> Callable[[int], None]:
     return _dispatch.collective_call("train_step", "jdp.train_step", False, **options.agreed())
 
 
-class _Gradients(_dispatch.Step):
-    """A train step's first half (`TrainStep.gradients`)."""
-
-    def __init__(self, *args: Any, **options: Any) -> None:
-        super().__init__(*args, **options)
-        self._model_state = _ModelStateCheck()
-
-    def __call__(self, state: Any, batch: Any) -> tuple:
-        grads, new_ms, metrics = super().__call__(state, batch)
-        self._model_state(_grads.model_state_field(state), new_ms, metrics)
-        return grads, new_ms, metrics
+def _model_state_check(options: StepOptions, whole: bool) -> Callable | None:
+    """The check FSDP's step (or its first half, `whole=False`) runs after a call under
+    `model_state_sync=None`, which keeps device 0's model state (`_ModelStateCheck`); None
+    for every other step, whose devices' model states are one by construction."""
+    if not (options.shard_params and options.model_state_sync is None):
+        return None
+    return _ModelStateCheck(whole)
 
 
 class _ModelStateCheck:
-    """FSDP's step with `model_state_sync=None` keeps device 0's model state; the devices'
-    states exist only inside the step, so its metrics carry which leaf differed (1 + its
-    index, or 0). At the first call that has one: a ValueError unless none did. The entry
-    never reaches the caller's metrics."""
+    """The devices' model states exist only inside the step, so its metrics carry which leaf
+    differed (1 + its index, or 0). At the first call that has one: a ValueError unless none
+    did. The entry never reaches the caller's metrics."""
 
-    def __init__(self) -> None:
-        self.done = False
+    def __init__(self, whole: bool) -> None:
+        self.whole, self.done = whole, False
 
-    def __call__(self, field: str | None, model_state: Any, metrics: dict) -> None:
+    def __call__(self, state: Any, out: tuple) -> None:
+        if self.whole:                 # (state, metrics): the new state holds the model state
+            (state, metrics), field = out, _grads.model_state_field(out[0])
+            model_state = getattr(state, field) if field else None
+        else:                          # (grads, new model state, metrics)
+            _, model_state, metrics = out
+            field = _grads.model_state_field(state)
         differs = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
         if differs is None or self.done:
             return
