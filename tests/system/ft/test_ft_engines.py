@@ -1,11 +1,15 @@
 """A replica group that no jdp launcher started: group 1 under Open MPI's `mpirun -np 2` or
 SLURM's `srun -n 2` (the job sets JDP_REPLICA_GROUP, JDP_REPLICA_GROUPS and
 JDP_FT_LIGHTHOUSE itself), beside group 0 under `jdp.launch` with the Lighthouse. Both groups
-of 2 processes x 1 device train as single-device optax on their concatenated batches."""
+of 2 processes x 1 device (FSDP across the two) train as single-device optax on their
+concatenated batches; semi-synchronous groups (Streaming LocalSGD) as a single-device replay
+of their recorded syncs."""
 import subprocess
 import sys
 import time
 
+import ft_replay
+import numpy as np
 import pytest
 from conftest import (
     MPIRUN,
@@ -23,15 +27,20 @@ pytest.importorskip("torchft")
 STEPS = 20
 ARGS = ["--steps", str(STEPS), "--batch_size", str(BATCH), "--width", str(WIDTH),
         "--lr", str(LR), "--shard_params", "2"]
+# Streaming LocalSGD: a fragment of two synced every 2 steps, merged 1 step after it was sent
+STREAMING = ["--sync_every", "4", "--fragments", "2", "--overlap", "1", "--optimizer", "sgd",
+             "--outer", "localsgd"]
+MODES = {"synchronous": [], "streaming": STREAMING}
 
 
-def run_beside_a_launched_group(tmp_path, tag, engine_command) -> None:
+def run_beside_a_launched_group(tmp_path, tag, engine_command, mode="synchronous") -> None:
     port = free_port()
     out = open(tmp_path / "launcher.log", "w")
     launcher = start_launcher(
         ["--nproc_per_node", 2, "--devices_per_process", 1, "--replica_group", 0,
          "--replica_groups", 2, "--ft_lighthouse", f"start:{port}", "--logdir", tmp_path / "g0",
-         EXAMPLE, *ARGS, "--out", tmp_path / "p0.npz"], job_env(tag, RUST_LOG="warn"),
+         EXAMPLE, *ARGS, *MODES[mode], "--out", tmp_path / "p0.npz"],
+        job_env(tag, RUST_LOG="warn"),
         stdout=out, stderr=out)
     time.sleep(3)   # the Lighthouse comes up with the launcher
     env = child_env(1, JDP_TEST_TAG=tag, RUST_LOG="warn", JDP_REPLICA_GROUP="1",
@@ -47,21 +56,43 @@ def run_beside_a_launched_group(tmp_path, tag, engine_command) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert code == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     (tmp_path / "ev0.jsonl").write_text((tmp_path / "g0" / "ft_events.jsonl").read_text())
-    assert len(check_against_replay(tmp_path, 2, processes=2)) == STEPS
+    if mode == "synchronous":
+        assert len(check_against_replay(tmp_path, 2, processes=2)) == STEPS
+    else:
+        check_streaming_against_replay(tmp_path)
+
+
+def check_streaming_against_replay(tmp_path) -> None:
+    """Both groups end with the same bits, those of Streaming LocalSGD replayed on one device
+    on the syncs the records show (every 2 steps a fragment, merged a step later)."""
+    import fault_tolerant as example
+
+    from jdp.ft._outer import Outer
+    record = ft_replay.commits([ft_replay.events(tmp_path / f"ev{g}.jsonl") for g in (0, 1)])
+    assert [(inner, merged) for _, inner, merged, _ in record[1:6]] == [
+        (2, 3), (4, 5), (6, 7), (8, 9), (10, 11)], record
+    parts = Outer(4, None, 2).parts(example.init_params(WIDTH))
+    want = ft_replay.replay_streaming(record, 2, BATCH, WIDTH, LR, parts, None, processes=2)
+    finals = [np.load(tmp_path / f"p{g}.npz") for g in (0, 1)]
+    for name, value in want.items():
+        assert finals[1][name].tobytes() == finals[0][name].tobytes(), name
+        np.testing.assert_allclose(finals[0][name], value, atol=1e-6, rtol=0)
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI, Debian package openmpi-bin) is "
                     "not installed")
-def test_a_group_under_mpirun_trains_beside_a_launched_one(tmp_path, tag):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_group_under_mpirun_trains_beside_a_launched_one(tmp_path, tag, mode):
     forward = ("JAX_PLATFORMS", "PYTHONPATH", "JDP_TEST_TAG", "XLA_FLAGS", "RUST_LOG",
                "JDP_REPLICA_GROUP", "JDP_REPLICA_GROUPS", "JDP_FT_LIGHTHOUSE", "JDP_FT_EVENTS")
     run_beside_a_launched_group(tmp_path, tag, lambda env: mpirun_command(
-        EXAMPLE, forward, *ARGS, "--out", tmp_path / "p1.npz"))
+        EXAMPLE, forward, *ARGS, *MODES[mode], "--out", tmp_path / "p1.npz"), mode)
 
 
 @pytest.mark.skipif(not slurm_ready(), reason="no running SLURM (srun, sinfo with an idle "
                     "node; Debian package slurm-wlm)")
-def test_a_group_under_srun_trains_beside_a_launched_one(tmp_path, tag):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_group_under_srun_trains_beside_a_launched_one(tmp_path, tag, mode):
     run_beside_a_launched_group(tmp_path, tag, lambda env: [
-        SRUN, "-n", "2", "--overcommit", sys.executable, EXAMPLE, *ARGS,
-        "--out", str(tmp_path / "p1.npz")])
+        SRUN, "-n", "2", "--overcommit", sys.executable, EXAMPLE, *ARGS, *MODES[mode],
+        "--out", str(tmp_path / "p1.npz")], mode)
