@@ -2,12 +2,10 @@
 
 The device count must be fixed before jax is imported, so it is set here at import time.
 """
-import atexit
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,14 +17,6 @@ import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
-
-# One persistent compilation cache for the child processes of a test session (pytest-xdist's
-# workers inherit the one their controller made): the examples' steps, which dozens of tests'
-# processes compile, are compiled once. Removed when the process that made it ends.
-_CACHE = "JDP_TEST_COMPILATION_CACHE"
-if _CACHE not in os.environ:
-    os.environ[_CACHE] = tempfile.mkdtemp(prefix="jdp-test-compilation-cache-")
-    atexit.register(shutil.rmtree, os.environ[_CACHE], True)
 
 
 MPIRUN = shutil.which("mpirun")   # Open MPI's launcher; the mpirun tests skip without it
@@ -57,8 +47,7 @@ def child_env(devices: int = 1, **extra: str) -> dict:
     """Environment for a child process with `devices` simulated CPU devices.
 
     Launcher/rank variables of the test process itself are removed so that a child starts
-    as a fresh single process unless `extra` says otherwise. The child caches what it
-    compiles in the session's cache (or JAX_COMPILATION_CACHE_DIR when set).
+    as a fresh single process unless `extra` says otherwise.
     """
     from jdp.job.env import RANK_VARS  # imported late: jax must see XLA_FLAGS first
 
@@ -67,9 +56,6 @@ def child_env(devices: int = 1, **extra: str) -> dict:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE])
-    env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.update(extra)
     return env
 
