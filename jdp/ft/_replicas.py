@@ -140,8 +140,7 @@ class Replicas(_syncs.Syncs):
         self._num_steps = 0
         self._healed: Any = None      # a peer's state, placed (with the carry when semi-sync)
         self._batch: Any = None       # the batch of the step under way, kept for a retry
-        self._halves: tuple | None = None     # train_step's (gradients, update)
-        self._mean = True                     # and whether its gradients are averaged
+        self._train: Any = None       # the TrainStep of train_step: its halves and options
         self._plans: dict = {}        # the exchange's buffer plans, by tree (`_buffers`)
         self._epochs: Iterator | None = None
         self._ready = False           # a quorum was held for the attempt the step makes
@@ -249,9 +248,8 @@ class Replicas(_syncs.Syncs):
         from the peer's state, whatever state it is given. With `sync_every` every step
         goes on from the group's own state (`replicas.state`), which syncs and heals
         replace; pass back the state the step returned."""
-        whole = train_step(loss_fn, **options)   # its halves: the sum goes between them
-        gradients, update = self._halves = whole.gradients, whole.update
-        mean = self._mean = options.get("grad_reduce", "mean") == "mean"
+        whole = self._train = train_step(loss_fn, **options)   # the sum between its halves
+        gradients, update, mean = whole.gradients, whole.update, whole.options.mean
         self._fields["options"] = _fingerprint.of_options(options)
 
         def step(state, batch):
@@ -300,12 +298,12 @@ class Replicas(_syncs.Syncs):
         group that joins a running job, or comes back to it, then computes its first
         attempt at once: the others no longer wait in the all-reduce for its compilation
         (seconds on a CPU; past `timeout`, a discarded step)."""
-        if self._halves is None or self._batch is not None:
+        if self._train is None or self._batch is not None:
             return
-        gradients, update = self._halves
+        gradients, update = self._train.gradients, self._train.update
         self._batch = self._next_batch()   # the first step's (a heal replaces it)
         tree = gradients(self._state, self._batch)
-        plan = _buffers.Buffers.of(tree, _divided(tree, self._mean), self._plans)
+        plan = _buffers.Buffers.of(tree, _divided(tree, self._train.options.mean), self._plans)
         grads, new_model_state, _ = plan.unflatten(plan.flatten(tree), tree, 1)
         update.lower(self._state, grads, new_model_state).compile()
         for fragment in range(self._outer.fragments if self._outer is not None else 0):

@@ -31,8 +31,8 @@ def _halves():
 
 
 def _group(loader, halves):
-    """A Replicas with its step's halves and loader, its connection to torchft and its quorum
-    recorded (as the compilations done by then), nothing of torchft."""
+    """A Replicas with its step (a TrainStep's halves, averaged) and loader, its connection to
+    torchft and its quorum recorded (as the compilations done by then), nothing of torchft."""
     group = object.__new__(_replicas.Replicas)
     connects, quorums = [], []
 
@@ -40,7 +40,9 @@ def _group(loader, halves):
         connects.append(len(EVENTS))
         return SimpleNamespace(current_step=lambda: 0), None, None
     group.__dict__.update(
-        _halves=halves, _mean=True, _outer=None, _batch=None, _epochs=None, loader=loader,
+        _train=None if halves is None else SimpleNamespace(
+            gradients=halves[0], update=halves[1], options=SimpleNamespace(mean=True)),
+        _outer=None, _batch=None, _epochs=None, loader=loader,
         _fields={}, _ready=False, _state={"w": jnp.zeros((4,))}, _manager=None, _events=None,
         _plans={},
         _timeouts=(1.0, 1.0), _torchft=connect, _quorum=lambda: quorums.append(len(EVENTS)))
