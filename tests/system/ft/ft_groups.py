@@ -36,3 +36,24 @@ def check_against_replay(tmp_path, groups, processes=1):
             np.testing.assert_allclose(final[name], value, atol=1e-6, rtol=0)
             assert final[name].tobytes() == finals[0][name].tobytes()   # the groups agree
     return history
+
+
+def check_streaming_against_replay(tmp_path, groups, every, fragments, outer=None,
+                                   processes=1) -> list:
+    """Every group ends with the same bits, those of Streaming LocalSGD (`outer` None) or
+    DiLoCo (`outer`, an optax optimizer) replayed on one device on the syncs the records
+    show (1e-6). Returns the record (`ft_replay.commits`)."""
+    import fault_tolerant as example
+
+    from jdp.ft._outer import Outer
+    record = ft_replay.commits([ft_replay.events(tmp_path / f"ev{g}.jsonl")
+                                for g in range(groups)])
+    parts = Outer(every, None, fragments).parts(example.init_params(WIDTH))
+    want = ft_replay.replay_streaming(record, groups, BATCH, WIDTH, LR, parts, outer,
+                                      processes)
+    finals = [np.load(tmp_path / f"p{g}.npz") for g in range(groups)]
+    for name, value in want.items():
+        for final in finals:
+            assert final[name].tobytes() == finals[0][name].tobytes(), name   # groups agree
+        np.testing.assert_allclose(finals[0][name], value, atol=1e-6, rtol=0)
+    return record

@@ -5,13 +5,12 @@ optimizer is SGD(1) is LocalSGD; a group's own layout (FSDP) changes nothing. Th
 test_kills.py."""
 import contextlib
 
-import fault_tolerant as example
 import ft_replay
 import numpy as np
 import optax
 import pytest
 from conftest import finish
-from ft_groups import BATCH, LR, WIDTH, start_group
+from ft_groups import BATCH, LR, WIDTH, check_streaming_against_replay, start_group
 
 pytest.importorskip("torchft")
 GROUPS = 3
@@ -89,17 +88,11 @@ def test_streaming_fragments_overlapped_equal_a_replay(tmp_path, lighthouse, out
     in groups of one process (2 devices) and of two (1 device each: every process sends its
     own pieces, the sync's exchange spans processes)."""
     steps, every, fragments, overlap = 22, 8, 2, 2
-    final, events = run(tmp_path, lighthouse, [
+    run(tmp_path, lighthouse, [
         "--steps", steps, "--sync_every", every, "--fragments", fragments, "--overlap",
         overlap, "--optimizer", "sgd", "--outer", outer], processes=processes)
-    record = ft_replay.commits(events)
+    tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer == "diloco" else None
+    record = check_streaming_against_replay(tmp_path, GROUPS, every, fragments, tx, processes)
     sends = [(inner, merged, f) for _, inner, merged, f in record[1:]]
     assert sends == [(4, 6, 0), (8, 10, 1), (12, 14, 0), (16, 18, 1), (20, 22, 0),
                      (22, 22, 0), (22, 22, 1)], sends
-    from jdp.ft._outer import Outer
-    parts = Outer(every, None, fragments).parts(example.init_params(WIDTH))
-    tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer == "diloco" else None
-    want = ft_replay.replay_streaming(record, GROUPS, BATCH, WIDTH, LR, parts,
-                                      tx, processes)
-    for name, value in want.items():
-        np.testing.assert_allclose(final[name], value, atol=1e-6, rtol=0)
