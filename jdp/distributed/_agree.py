@@ -37,6 +37,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from jdp.job import run as _run
+
 PREFIX = "jdp/agree/"
 POLL_S = 1.0
 SHOWN = 8             # ranks named per side of a difference
@@ -281,9 +283,10 @@ def _name_difference(client: Any, me: Process, here: _Point, text: str, sides: l
                                f"say on what within {timeout_s:g} s") from None
     name, value_a, value_b = _first_difference(*facts)
     _all_named(client, me, here)
-    raise ValueError(f"{here.who}: the processes disagree on {name}: {value_a} on process(es) "
-                     f"{_ranks(ranks_a, count_a)} but {value_b} on process(es) "
-                     f"{_ranks(ranks_b, count_b)}; {fix}")
+    raise _run.shared(ValueError(
+        f"{here.who}: the processes disagree on {name}: {value_a} on process(es) "
+        f"{_ranks(ranks_a, count_a)} but {value_b} on process(es) {_ranks(ranks_b, count_b)}; "
+        f"{fix}"))
 
 
 def _all_named(client: Any, me: Process, here: _Point) -> None:

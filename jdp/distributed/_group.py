@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from jdp.distributed import _agree, _init
 from jdp.job import env as _env
 from jdp.job import rank as _rank
+from jdp.job import run as _run
 
 AGREE_TIMEOUT_S = 300.0
 
@@ -66,9 +67,10 @@ def _same_devices_everywhere(who: str) -> None:
     counts = collections.Counter(d.process_index for d in jax.devices())
     if len(set(counts.values())) > 1:
         shown = ", ".join(f"process {p} has {n}" for p, n in sorted(counts.items())[:4])
-        raise ValueError(f"{who}: the processes hold different numbers of devices ({shown}"
-                         f"{', ...' if len(counts) > 4 else ''}); start each with the same "
-                         "count (jdp.launch --devices_per_process, CUDA_VISIBLE_DEVICES)")
+        raise _run.shared(ValueError(
+            f"{who}: the processes hold different numbers of devices ({shown}"
+            f"{', ...' if len(counts) > 4 else ''}); start each with the same count "
+            "(jdp.launch --devices_per_process, CUDA_VISIBLE_DEVICES)"))
 
 
 def _launcher_variables(env: Any) -> str:

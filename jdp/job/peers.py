@@ -41,7 +41,7 @@ from jdp.job import run as _run
 GRACE_S = 3.0        # time the main thread gets to fail by itself after a loss is known
 ANSWER_S = 2.0       # the most a question to the peers waits for their answers
 PASS_ON_S = 0.5      # process 0 lingers this long after passing on a verdict
-INTERRUPTED_S = 2.0  # the most an interrupted process 0 waits for the others to leave first
+INTERRUPTED_S = 2.0  # the most process 0 ending with the others' error waits for them to leave
 # TCP keepalive on the connections (idle s, interval s, probes): a node that vanishes without
 # closing them (power loss, a partition) is noticed after about 5 + 2 * 3 = 11 s.
 KEEPALIVE = (5, 2, 3)
@@ -118,15 +118,17 @@ class Peers:
     def failing(self, error: BaseException) -> None:
         """This process ends with `error` (uncaught): tell the peers, so they name it.
 
-        Process 0 ended by Ctrl-C waits up to `INTERRUPTED_S` for the others, which got the
-        same SIGINT, to leave first: the coordination service ends with process 0, and a
-        peer still on its way to its own KeyboardInterrupt would die of that instead (a
-        SIGABRT with a C++ stack in place of its traceback).
+        Process 0 ended by Ctrl-C, or by an error every process raised (`run.SHARED`: an
+        agreement's verdict), waits up to `INTERRUPTED_S` for the others, which got the same
+        SIGINT or error, to leave first: the coordination service ends with process 0, and a
+        peer still on its way to its own error would die of that instead (a SIGABRT with a
+        C++ stack in place of its traceback).
         """
         first = (str(error).strip().splitlines() or [""])[0][:300]
         for rank in list(self.conns):
             self.send(rank, {"failed": f"{type(error).__name__}: {first}"})
-        if self.me == 0 and isinstance(error, KeyboardInterrupt):
+        if self.me == 0 and (isinstance(error, KeyboardInterrupt)
+                             or getattr(error, _run.SHARED, False)):
             self.wait_gone(INTERRUPTED_S)
 
     def wait_gone(self, timeout_s: float) -> bool:

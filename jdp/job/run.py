@@ -41,6 +41,10 @@ LOST_PEER_DELAY_S = 1.0
 # has no live peer to heal from): an exception with `jdp_exit_code = FINAL_EXIT` ends its rank
 # with this status, and the launcher does not restart the job for it (sysexits' EX_CONFIG).
 FINAL_EXIT = 78
+# An exception with `jdp_shared = True` was raised by every process at once (an agreement's
+# verdict): process 0 lets the others print it and leave before it ends (`Peers.failing`),
+# since the coordination service ends with process 0 and would abort a peer still printing.
+SHARED = "jdp_shared"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHER_DIRS = (_HERE, os.path.join(os.path.dirname(_HERE), "launch"))
 """Where the frames a traceback leaves out live: this runner's (jdp/job) and jdp.spawn's."""
@@ -55,6 +59,12 @@ def on_failure(hook: Callable[[BaseException], None]) -> None:
     """Have `report_failure` call `hook(exc)` before it leaves, unless `exc` looks like the
     echo of a lost peer (the peers' connections tell this process's failure to the others)."""
     _on_failure.append(hook)
+
+
+def shared(exc: BaseException) -> BaseException:
+    """`exc`, marked as raised by every process at once (`SHARED`)."""
+    setattr(exc, SHARED, True)
+    return exc
 
 
 def exit_now(code: int) -> NoReturn:

@@ -232,8 +232,14 @@ def test_each_engine_says_how_many_processes_share_a_node(env, count):
 
 
 UNEQUAL = """
+import sys, time
 import numpy as np, optax, jdp
 jdp.initialize()
+report = sys.excepthook   # jdp's
+def slowly(*exc):   # process 1 is slow to report its error, as on a loaded machine
+    time.sleep(0.5 * jdp.process_index())
+    report(*exc)
+sys.excepthook = slowly
 state = jdp.TrainState.create(apply_fn=None, params={"w": np.zeros((4, 8, 8), np.float32)},
                               tx=optax.sgd(0.1))
 jdp.broadcast(state, shard_params="node")
@@ -250,7 +256,8 @@ print("NOT REFUSED")
 def test_processes_of_unequal_devices_or_nodes_are_a_one_line_error_on_each(
         tmp_path, devices, local_sizes, words):
     """Processes with different device counts cannot share one data mesh, and nodes of
-    different sizes cannot split a model alike: each process says so, none hangs."""
+    different sizes cannot split a model alike: each process says so, none hangs, and
+    process 0 does not end the job before process 1, slow to report, has said it too."""
     from conftest import write_script
     script = write_script(tmp_path, "unequal.py", UNEQUAL)
     address = f"127.0.0.1:{free_port()}"
