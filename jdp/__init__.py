@@ -19,7 +19,7 @@ is a callable module (jdp/train_step.py): the function under both spellings.
 """
 import importlib
 
-__version__ = "0.9.0"   # the one place: pyproject.toml reads it (CHANGELOG.md)
+__version__ = "0.9.1"   # the one place: pyproject.toml reads it (CHANGELOG.md)
 
 # public name -> the module that defines it; a name that is its module's own last part is
 # the subpackage itself (`jdp.data`, `jdp.pmap`, the callable module `jdp.train_step`)

@@ -30,7 +30,8 @@ class Step:
 
     Args:
         body: the step on global (or stacked) inputs; returns its outputs and one small array
-            that is ready when the step is (a train step's agreed stop flag).
+            that is ready when the step is (a train step's agreed stop flag). None for a
+            subclass whose `_traced` is the body itself.
         check: `check(state, batch)` on the concrete inputs of a call that traces.
         transform: `jax.jit` or `jax.pmap` with the step's options (donation); what it
             returns is called and has `lower`.
@@ -46,7 +47,7 @@ class Step:
             outputs (a check of what the step returned, which may take entries out of it).
     """
 
-    def __init__(self, body: Callable, check: Callable, transform: Callable,
+    def __init__(self, body: Callable | None, check: Callable, transform: Callable,
                  place_stop: Callable, *, max_in_flight: int, train: bool,
                  donate: bool = False, announce: Callable[[int], None] | None = None,
                  after: Callable[[Any, Any], None] | None = None) -> None:
@@ -69,7 +70,21 @@ class Step:
         _inflight.jdp_step_called()
         # Before dispatching: a rank blocked in step k shows step k. Evaluations count no steps.
         _rank.record(self._phase, calls if self.train else None)
-        out, done = self._run(state, batch, calls)
+        window = _profile.before_step(calls) if self.train else None   # the profiler's
+        self._tracing = (state, batch)   # checked by `_traced` if the call traces
+        try:
+            if window is None:
+                out, done = self._compiled(state, batch, self._stop_array())
+            else:
+                with window:
+                    out, done = self._compiled(state, batch, self._stop_array())
+        except Exception:
+            self._check(state, batch)  # inputs the transform refused before tracing: say why
+            raise
+        finally:
+            self._tracing = None
+        if window is not None:
+            _profile.after_step(calls, done)
         if self._after is not None:
             self._after(state, out)
         pending = self._pending
@@ -86,29 +101,16 @@ class Step:
         finally:
             self._tracing = None
 
-    def _run(self, state: Any, batch: Any, calls: int) -> tuple:
-        """The compiled step on these inputs, under the profiler's window when it is open."""
-        traced_step = _profile.before_step(calls) if self.train else None
-        self._tracing = (state, batch)
-        try:
-            if traced_step is None:
-                out, done = self._compiled(state, batch, self._stop_array())
-            else:
-                with traced_step:
-                    out, done = self._compiled(state, batch, self._stop_array())
-        except Exception:
-            self._check(state, batch)  # inputs the transform refused before tracing: say why
-            raise
-        finally:
-            self._tracing = None
-        if traced_step is not None:
-            _profile.after_step(calls, done)
-        return out, done
-
     def _traced(self, state: Any, batch: Any, stop: Any) -> Any:
+        """What the transform traces: the inputs checked, then the body."""
+        self._check_traced()
+        return self._body(state, batch, stop)
+
+    def _check_traced(self) -> None:
+        """Check the inputs of the call under way (the transform traces only at a new
+        signature: nothing is checked on the calls that reuse a compiled step)."""
         if self._tracing is not None:
             self._check(*self._tracing)
-        return self._body(state, batch, stop)
 
     def _stop_array(self) -> Any:
         flag = _rank.current().stop.flag()

@@ -58,19 +58,6 @@ def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
     return loss, (metrics, new_model_state)
 
 
-def _grads_once(loss_fn, has_aux, params, batch, model_state, rng):
-    """Loss, metrics, gradient and new model state on one (micro-)batch.
-
-    The parameters are marked as varying over the devices first: the gradient of a
-    replicated input inside shard_map would otherwise come back already summed over the
-    devices (the transpose of the implicit broadcast), where jdp reduces it itself.
-    """
-    grad_fn = jax.value_and_grad(
-        lambda p: _call_loss(loss_fn, has_aux, p, batch, model_state, rng), has_aux=True)
-    (loss, (metrics, new_ms)), grads = grad_fn(jax.tree.map(_varying, params))
-    return loss, metrics, grads, new_ms
-
-
 def _varying(x: jax.Array) -> jax.Array:
     """`x` typed as varying over `AXIS` (a no-op on data). A value that varies already (the
     stacked layout's mapped state) is refused by `pcast` and stays as it is."""
@@ -78,36 +65,6 @@ def _varying(x: jax.Array) -> jax.Array:
         return lax.pcast(x, AXIS, to="varying")
     except ValueError:
         return x
-
-
-def _accumulated_grads(loss_fn, has_aux, k, state, batch, model_state):
-    """Mean gradient over k micro-batches, local to the device: no communication in the loop.
-
-    The model state threads through the micro-batches in order, as k forward passes would
-    update it under DDP's `no_sync`. The first micro-batch seeds the running sum, so the
-    loop's carry has the per-device type of a gradient from the start.
-    """
-    use_rng = getattr(state, "rng", None) is not None
-    rng = _device_rng(state, 0 if k > 1 else None) if use_rng else None
-    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-    first = jax.tree.map(lambda x: x[0], micro)
-    loss, metrics, grads, model_state = _grads_once(
-        loss_fn, has_aux, state.params, first, model_state, rng)
-    if k == 1:
-        return loss, metrics, grads, model_state
-
-    def body(carry, i):
-        grad_sum, ms = carry
-        mb = jax.tree.map(lambda x: x[i], micro)
-        rng = _device_rng(state, i) if use_rng else None
-        loss, metrics, grads, ms = _grads_once(loss_fn, has_aux, state.params, mb, ms, rng)
-        return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
-
-    (grad_sum, model_state), (losses, rest) = lax.scan(
-        body, (grads, model_state), jnp.arange(1, k))
-    grads = jax.tree.map(lambda g: g / k, grad_sum)
-    mean = lambda a, b: (a + b.sum(0)) / k  # noqa: E731
-    return mean(loss, losses), jax.tree.map(mean, metrics, rest), grads, model_state
 
 
 def _sync_model_state(model_state: Any, how: str | None) -> Any:
@@ -120,16 +77,49 @@ def _sync_model_state(model_state: Any, how: str | None) -> Any:
 
 
 def device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync):
-    """One device's gradient, synced model state and all-reduced metrics (with the stop flag)."""
-    field = model_state_field(state)
-    model_state = getattr(state, field) if field else None
-    loss, metrics, grads, new_ms = _accumulated_grads(
-        loss_fn, has_aux, accum_steps, state, batch, model_state)
+    """One device's gradient, synced model state and all-reduced metrics (with the stop flag).
+
+    The gradient is the mean over k micro-batches, local to the device: no communication in
+    the loop (as DDP's `no_sync`). The model state threads through the micro-batches in order,
+    as k forward passes would update it; the first micro-batch seeds the running sum, so the
+    loop's carry has the per-device type of a gradient from the start. The parameters are
+    marked as varying over the devices first: the gradient of a replicated input inside
+    shard_map would otherwise come back already summed over the devices (the transpose of the
+    implicit broadcast), where jdp reduces it itself.
+    """
+    field, k = model_state_field(state), accum_steps
+    use_rng = getattr(state, "rng", None) is not None
+    grad_of = jax.value_and_grad(functools.partial(_call_loss, loss_fn, has_aux), has_aux=True)
+    params = jax.tree.map(_varying, state.params)
+    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+    def once(i, ms):   # loss, metrics, gradient and new model state on micro-batch i
+        rng = _device_rng(state, i if k > 1 else None) if use_rng else None
+        (loss, (metrics, ms)), grads = grad_of(params, jax.tree.map(lambda x: x[i], micro),
+                                               ms, rng)
+        return loss, metrics, grads, ms
+
+    def body(carry, i):
+        grad_sum, ms = carry
+        loss, metrics, grads, ms = once(i, ms)
+        return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
+
+    loss, metrics, grads, new_ms = once(0, getattr(state, field) if field else None)
+    if k > 1:
+        (grads, new_ms), (losses, rest) = lax.scan(body, (grads, new_ms), jnp.arange(1, k))
+        grads = jax.tree.map(lambda g: g / k, grads)
+        mean = lambda a, b: (a + b.sum(0)) / k  # noqa: E731
+        loss, metrics = mean(loss, losses), jax.tree.map(mean, metrics, rest)
+    return grads, field, *_synced(new_ms, field, model_state_sync, loss, metrics, stop)
+
+
+def _synced(new_ms, field, model_state_sync, loss, metrics, stop) -> tuple:
+    """The new model state synced over the devices (`model_state_sync`), and the metrics with
+    the loss and the stop flag, averaged over them."""
     if field:
         new_ms = _sync_model_state(new_ms, model_state_sync)
     metrics = {"loss": loss, **metrics, STOP: jnp.sum(stop).astype(jnp.float32)}
-    metrics = lax.pmean(jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics), AXIS)
-    return grads, field, new_ms, metrics
+    return new_ms, lax.pmean(jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics), AXIS)
 
 
 def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync,
@@ -156,8 +146,9 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     loop = functools.partial(_mapped_loop, state, micro, ms, loss_fn=loss_fn, has_aux=has_aux,
                              k=k, scale=n if mean else 1, compute_dtype=compute_dtype)
     if group:
+        communicates = functools.partial(_names_axis, loss_fn, has_aux, state, micro, ms)
         grads, ms, losses, metrics = _grouped_grads(loop, state.params, split_axes, group,
-                                                    comm_dtype)
+                                                    comm_dtype, communicates)
     else:
         grads, ms, losses, metrics = loop(state.params, _flat_map(AXIS))
     grads = jax.tree.map(lambda g: g / k, grads) if k > 1 else grads
@@ -246,30 +237,65 @@ def _grouped_map(group):
     return mapped, (_GROUPS, _IN_GROUP), (_IN_GROUP, group)
 
 
-def _grouped_grads(loop, params, axes, group, comm_dtype):
+def _grouped_grads(loop, params, axes, group, comm_dtype, communicates):
     """HSDP's gradient: reduced within a group layer by layer, across the groups once a step.
 
     Each group differentiates its own copy of the parameters (`[groups, ...]`: per device the
     1/group split FSDP stores, so nothing is gathered to make it), so what a group's devices
     reduce inside the loop stays in the group; after the loop (and the micro-batches) the
     copies' gradients are summed across the groups in one all-reduce per leaf, in
-    `comm_dtype`. A loss that communicates over `AXIS` itself (BatchNorm synced in the forward
-    pass) needs one map over every device: it runs in the FSDP form over the 2-D mesh, each
-    use's gradient reduced across the groups where it is computed (and `comm_dtype` must then
-    be the compute dtype).
+    `comm_dtype`. A loss that communicates over `AXIS` itself (`communicates()`: BatchNorm
+    synced in the forward pass) needs one map over every device: it runs in the FSDP form
+    over the 2-D mesh, each use's gradient reduced across the groups where it is computed
+    (and `comm_dtype` must then be the compute dtype).
     """
+    if communicates():
+        _checks.hsdp_loss_collectives(comm_dtype, group)
+        return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD), group))
     groups = _mesh.mesh().size // group
     each = functools.partial(jax.tree.map, is_leaf=lambda a: a is None)  # over `axes` first
     copies = each(lambda a, p: _copies(p, a, groups, group), axes, params)
-    try:
-        grads, ms, losses, metrics = loop(copies, _grouped_map(group))
-    except NameError as e:       # the loss named AXIS: unbound under the two-level map
-        if "unbound axis name" not in str(e) or AXIS not in str(e):
-            raise
-        _checks.hsdp_loss_collectives(comm_dtype, group)
-        return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD), group))
+    grads, ms, losses, metrics = loop(copies, _grouped_map(group))
     grads = each(lambda a, g: _across_groups(g, a, group, comm_dtype), axes, grads)
     return grads, ms, losses, metrics
+
+
+def _names_axis(loss_fn, has_aux, state, micro, ms) -> bool:
+    """Does the loss itself communicate over `AXIS` (a collective, or the device's index: e.g.
+    BatchNorm synced with `axis_name=jdp.AXIS`)? Read from its gradient's program (the
+    backward pass too: a custom VJP may communicate there only), traced abstractly once for
+    one device, with `AXIS` bound over the mesh's devices."""
+    one = functools.partial(jax.tree.map, lambda x: x[0])
+    rng = getattr(state, "rng", None)   # the step's key as it is: its fold-ins name AXIS
+    device_loss = lambda params, b, ms: _call_loss(  # noqa: E731
+        loss_fn, has_aux, params, b, ms, rng)[0]
+    program = jax.make_jaxpr(jax.grad(device_loss), axis_env=[(AXIS, _mesh.mesh().size)])(
+        state.params, one(one(micro)), one(ms))
+    return _mentions(program.jaxpr, AXIS)
+
+
+def _mentions(program: Any, axis: str) -> bool:
+    """Does a jaxpr (or a sub-program among its equations' parameters) name `axis` in a
+    collective's axes?"""
+    for eqn in program.eqns:
+        for key, value in eqn.params.items():
+            if key in ("axes", "axis_name") and axis in (
+                    value if isinstance(value, tuple) else (value,)):
+                return True
+            if any(_mentions(sub, axis) for sub in _programs(value)):
+                return True
+    return False
+
+
+def _programs(value: Any) -> list:
+    """The jaxprs within an equation's parameter (a jaxpr, a closed one, or a tuple of them)."""
+    if hasattr(value, "eqns"):
+        return [value]
+    if hasattr(getattr(value, "jaxpr", None), "eqns"):
+        return [value.jaxpr]
+    if isinstance(value, tuple | list):
+        return [p for v in value for p in _programs(v)]
+    return []
 
 
 def _copies(p, axis, groups, group):

@@ -147,13 +147,6 @@ class StepOptions:
                 if f.name not in ("loss_fn", "max_in_flight")}
 
 
-def _global_train_step(state, batch, stop, *, options: StepOptions):
-    """The step at jit level: the gradients reduced over the devices (`group_gradients`),
-    then the optimizer update on global arrays (`apply_update`)."""
-    (grads, new_ms, metrics), stop = group_gradients(state, batch, stop, options=options)
-    return (apply_update(state, grads, new_ms, options=options), metrics), stop
-
-
 def group_gradients(state, batch, stop, *, options: StepOptions):
     """The step's first half: `((grads, new_model_state, metrics), stop)`, the gradients
     reduced over all of this job's devices and stored as the update takes them (replicated,
@@ -328,11 +321,18 @@ class TrainStep(_dispatch.Step):
     def __init__(self, options: StepOptions) -> None:
         self.options = options
         donating = functools.partial(jax.jit, donate_argnums=(0,) if options.donate else ())
-        super().__init__(functools.partial(_global_train_step, options=options), self.check,
+        super().__init__(None, self.check,
                          _fsdp_placed(donating, options), place_stop,
                          max_in_flight=options.max_in_flight, train=True,
                          donate=options.donate, announce=_announced(options),
                          after=_model_state_check(options, whole=True))
+
+    def _traced(self, state: Any, batch: Any, stop: Any) -> Any:
+        """The step at jit level: the inputs checked, the gradients reduced over the devices
+        (`group_gradients`), then the optimizer update on global arrays (`apply_update`)."""
+        self._check_traced()
+        (grads, new_ms, metrics), stop = group_gradients(state, batch, stop, options=self.options)
+        return (apply_update(state, grads, new_ms, options=self.options), metrics), stop
 
     def check(self, state: Any, batch: Any) -> None:
         """The inputs of a call that traces: a job, the state placed for these options, a

@@ -121,6 +121,41 @@ def test_a_loss_that_communicates_over_the_axis_still_reduces_over_every_device(
                    jdp.shard(data[0]))
 
 
+@pytest.mark.parametrize("where", ["remat", "backward"])
+def test_a_collective_nested_in_the_loss_or_only_in_its_backward_pass_is_found(where):
+    """HSDP reads from the loss's program whether it communicates over jdp.AXIS: a pmean
+    inside a rematerialised function, or one in a custom VJP's backward pass only (the
+    forward pass names no axis), puts the step in one map over all 8 devices, exactly as
+    single-device optax trains."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    @jax.custom_vjp
+    def touch(x):   # the identity, whose backward pass names jdp.AXIS (and adds nothing)
+        return x
+
+    touch.defvjp(lambda x: (x, None),
+                 lambda _, g: (g + lax.psum(g, jdp.AXIS) - lax.psum(g, jdp.AXIS),))
+
+    def centred(y):   # over all 8 devices' examples
+        return y - lax.pmean(jnp.mean(y, axis=0), jdp.AXIS)
+
+    def loss(params, b):
+        y = jax.checkpoint(centred)(b["y"]) if where == "remat" else b["y"]
+        out = scanned(params, b["x"])
+        return jnp.mean(((touch(out) if where == "backward" else out) - y) ** 2)
+
+    def single(params, b):
+        y = b["y"] - jnp.mean(b["y"], axis=0) if where == "remat" else b["y"]
+        return jnp.mean((scanned(params, b["x"]) - y) ** 2)
+
+    state, data = hsdp_state(), batches(N * 4, D)
+    step = jdp.train_step(loss, shard_params=K)
+    for b in data:
+        state, _ = step(state, jdp.shard(b))
+    assert_tree_close(jdp.unshard(state).params, single_device(single, stacked(L, D), TX, data))
+
+
 def test_the_step_and_the_state_must_agree_on_the_groups():
     batch = jdp.shard(batches(N, D)[0])
     one_line_error(ValueError, ["shard_params=2", "groups of 4 devices", "the same shard_params"],
