@@ -124,7 +124,10 @@ def second_zero(host: str, port: int, world: int) -> None:
 
 def _report(host: str, port: int, rank: int, world: int, timeout_s: float):
     deadline = time.monotonic() + timeout_s
-    while (conn := _net.connect(host, port, deadline - time.monotonic())) is not None:
+    # by the deadline: a listener that takes connections and never answers (a port held by
+    # another server) would otherwise be asked again until its backlog fills
+    while ((left := deadline - time.monotonic()) > 0
+           and (conn := _net.connect(host, port, left)) is not None):
         try:
             _net.send(conn, {"rank": rank, "world": world})
             answer = _net.receive_one(conn, deadline - time.monotonic())

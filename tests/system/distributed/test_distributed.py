@@ -131,6 +131,9 @@ def test_coordinator_port_in_use_on_process_0_raises(tmp_path):
     assert done.returncode == 0, done.stderr      # JAX itself would die with SIGSEGV
     assert "ValueError after" in done.stdout
     assert f"MASTER_PORT={port} is already in use" in done.stdout
+    # the port is re-tried for 2 s, and its holder asked for 2 s whether it is a process 0
+    # too: a listener that never answers is not asked again until its backlog fills (20 s)
+    assert float(done.stdout.split("ValueError after ")[1].split(" s")[0]) < 10, done.stdout
 
 
 def test_a_port_held_for_a_moment_counts_as_free_once_let_go():
