@@ -320,9 +320,10 @@ class TrainStep(_dispatch.Step):
 
     def __init__(self, options: StepOptions) -> None:
         self.options = options
-        donating = functools.partial(jax.jit, donate_argnums=(0,) if options.donate else ())
+        self._donated = (0,) if options.donate else ()   # the state, when `donate`
         super().__init__(None, self.check,
-                         _fsdp_placed(donating, options), place_stop,
+                         _fsdp_placed(functools.partial(jax.jit, donate_argnums=self._donated),
+                                      options), place_stop,
                          max_in_flight=options.max_in_flight, train=True,
                          donate=options.donate, announce=_announced(options),
                          after=_model_state_check(options, whole=True))
@@ -357,7 +358,7 @@ class TrainStep(_dispatch.Step):
         """The second half: `update(state, grads, new_model_state) -> state`, jitted and
         donating the state when `donate`."""
         return jax.jit(functools.partial(apply_update, options=self.options),
-                       donate_argnums=(0,) if self.options.donate else ())
+                       donate_argnums=self._donated)
 
 
 def _announced(options: StepOptions) -> Callable[[int], None]:
@@ -371,24 +372,32 @@ def _model_state_check(options: StepOptions, whole: bool) -> Callable | None:
     for every other step, whose devices' model states are one by construction."""
     if not (options.shard_params and options.model_state_sync is None):
         return None
-    return _ModelStateCheck(whole)
+    return _ModelStateCheck(_of_step if whole else _of_gradients)
+
+
+def _of_step(state: Any, out: tuple) -> tuple:
+    """(field, new model state, metrics) of a whole step's `(state, metrics)`."""
+    (new_state, metrics), field = out, _grads.model_state_field(out[0])
+    return field, getattr(new_state, field) if field else None, metrics
+
+
+def _of_gradients(state: Any, out: tuple) -> tuple:
+    """(field, new model state, metrics) of the first half's `(grads, new_ms, metrics)`."""
+    _, model_state, metrics = out
+    return _grads.model_state_field(state), model_state, metrics
 
 
 class _ModelStateCheck:
     """The devices' model states exist only inside the step, so its metrics carry which leaf
     differed (1 + its index, or 0). At the first call that has one: a ValueError unless none
-    did. The entry never reaches the caller's metrics."""
+    did. The entry never reaches the caller's metrics. `parts(state, out)` reads the field,
+    the new model state and the metrics from a call's output."""
 
-    def __init__(self, whole: bool) -> None:
-        self.whole, self.done = whole, False
+    def __init__(self, parts: Callable[[Any, tuple], tuple]) -> None:
+        self.parts, self.done = parts, False
 
     def __call__(self, state: Any, out: tuple) -> None:
-        if self.whole:                 # (state, metrics): the new state holds the model state
-            (state, metrics), field = out, _grads.model_state_field(out[0])
-            model_state = getattr(state, field) if field else None
-        else:                          # (grads, new model state, metrics)
-            _, model_state, metrics = out
-            field = _grads.model_state_field(state)
+        field, model_state, metrics = self.parts(state, out)
         differs = metrics.pop(_grads.MODEL_STATE_DIFFERS, None)
         if differs is None or self.done:
             return
