@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.core import _mesh, _zero, forms
+from jdp.core import _mesh, _storage, forms
 from jdp.job import values
 
 MAX_IN_FLIGHT = 16
@@ -172,12 +172,12 @@ def _params_as_stored(params: Any, shard_params: Any) -> None:
     """The parameters are placed as the step's `shard_params` stores them: split by the
     rule over all devices or within groups (`jdp.broadcast(state, shard_params=...)`), or
     replicated."""
-    group = _zero.group_size(shard_params) if shard_params else None
-    have = _zero.params_group(params)
+    group = _storage.group_size(shard_params) if shard_params else None
+    have = _storage.params_group(params)
     if shard_params and any(_split(x) for x in jax.tree.leaves(params)):
         _same_groups(shard_params, have)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        want = _zero.stored_sharding(x, group) if shard_params else _mesh.replicated()
+        want = _storage.stored_sharding(x, group) if shard_params else _mesh.replicated()
         if x.sharding.is_equivalent_to(want, x.ndim):
             continue
         if shard_params:
@@ -191,9 +191,9 @@ def _params_as_stored(params: Any, shard_params: Any) -> None:
 
 def _opt_as_stored(opt: Any, shard_optimizer: bool, shard_params: Any) -> None:
     """The optimizer state is split (ZeRO, FSDP) exactly when the step's options say so."""
-    n = _zero.ways(_zero.group_size(shard_params) if shard_params else None)
+    n = _storage.ways(_storage.group_size(shard_params) if shard_params else None)
     splittable = [x for x in jax.tree.leaves(opt)
-                  if _zero.opt_axis(x, n, bool(shard_params)) is not None]
+                  if _storage.opt_axis(x, n, bool(shard_params)) is not None]
     split = [_split(x) for x in splittable]
     if (shard_optimizer or shard_params) and not all(split):
         option = f"shard_params={shard_params!r}" if shard_params else "shard_optimizer=True"
@@ -219,7 +219,7 @@ def _split(x: jax.Array) -> bool:
 
 def _same_groups(shard_params: Any, have: int | None) -> None:
     """The step's `shard_params` splits as the state was placed (all devices, or groups)."""
-    want = _zero.group_size(shard_params)
+    want = _storage.group_size(shard_params)
     if want != have:
         placed = f"groups of {have} devices" if have else "all devices"
         raise ValueError(f"shard_params={shard_params!r}: the state's parameters are split over "

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _layers, _layers_flax, _mesh, _rng, _zero
+from jdp.core import _checks, _layers, _layers_flax, _mesh, _rng, _storage
 from jdp.core._mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
@@ -192,7 +192,7 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     every_device = mapped(device_loss)
 
     def total(params, b, ms, i):
-        losses, aux = every_device(_zero.cast(params, compute_dtype), b, ms, i)
+        losses, aux = every_device(_storage.cast(params, compute_dtype), b, ms, i)
         return jnp.sum(losses) / scale, aux
 
     first = jax.tree.map(lambda x: x[0], micro)
@@ -312,7 +312,7 @@ def _across_groups(g, axis, group, comm_dtype):
     one all-reduce of each device's shard across the groups, left split on `axis` as stored."""
     sent = g.astype(comm_dtype) if comm_dtype is not None else g
     summed = lax.reduce(sent, jnp.zeros((), sent.dtype), lax.add, (0,))  # in its dtype: no upcast
-    return lax.with_sharding_constraint(summed, _zero.split_on(axis, group)).astype(g.dtype)
+    return lax.with_sharding_constraint(summed, _storage.split_on(axis, group)).astype(g.dtype)
 
 
 def _merge_model_state(ms: Any, how: str | None) -> Any:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.core import _mesh, _zero
+from jdp.core import _mesh, _storage
 from jdp.job import values
 
 
@@ -83,11 +83,11 @@ def layer(fn: Callable) -> Callable:
     """
     @functools.wraps(fn)
     def call(params, *args, **kwargs):
-        where = _ACTIVE.get()
-        if where is None or _INSIDE.get():
+        gathering = _ACTIVE.get()
+        if gathering is None or _INSIDE.get():
             return fn(params, *args, **kwargs)
         _check_layer_params(fn, params, args)
-        return gathered_call(lambda p, a, k: fn(p, *a, **k), params, (args, kwargs), where)
+        return gathered_call(lambda p, a, k: fn(p, *a, **k), params, (args, kwargs), gathering)
     return call
 
 
@@ -113,7 +113,7 @@ _COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "all_to_all", "p
                           "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast"})
 
 
-def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> Any:
+def gathered_call(fn: Callable, params: Any, args: tuple, gathering: _Gathering) -> Any:
     """`fn(params, *args)` with `params` gathered just in time, forward and backward.
 
     A layer with a collective inside (a BatchNorm synced over the devices, `axis_name=`)
@@ -133,29 +133,29 @@ def gathered_call(fn: Callable, params: Any, args: tuple, where: _Gathering) -> 
 
     @jax.custom_vjp
     def run(p, a, c):
-        return pure(_gather(p, a, where), a, *c)
+        return pure(_gather(p, a, gathering), a, *c)
 
     def fwd(p, a, c):
         return run(p, a, c), (p, a, c)
 
     def bwd(saved, g):
         p, a, c = saved
-        full = _gather(p, g, where)
+        full = _gather(p, g, gathering)
         _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
         dp, da, dc = vjp(g)
-        dp = jax.tree.map(lambda d: _reduced(d, where), dp)
+        dp = jax.tree.map(lambda d: _reduced(d, gathering), dp)
         return dp, _carrying(da, jax.tree.leaves(dp)), dc
 
     run.defvjp(fwd, bwd)
     return run(params, arrays, consts)
 
 
-def _reduced(d: jax.Array, where: _Gathering) -> jax.Array:
+def _reduced(d: jax.Array, gathering: _Gathering) -> jax.Array:
     """One parameter's gradient summed over the devices that share its copy, split again as
     stored (an integer parameter's zero cotangent stays as it is)."""
     if d.dtype == jax.dtypes.float0:
         return d
-    return _split(lax.psum(d, where.axes), where)
+    return _split(lax.psum(d, gathering.axes), gathering)
 
 
 def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
@@ -204,32 +204,32 @@ def _split_static(args: Any) -> tuple[list, Callable]:
     """The array leaves of `args`, and a function that puts arrays back among the rest (Python
     values such as `deterministic=True`, which stay what they are)."""
     leaves, tree = jax.tree.flatten(args)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
+    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
 
     def rebuild(arrays):
         out = list(leaves)
-        for i, x in zip(where, arrays, strict=True):
+        for i, x in zip(at, arrays, strict=True):
             out[i] = x
         return jax.tree.unflatten(tree, out)
-    return [leaves[i] for i in where], rebuild
+    return [leaves[i] for i in at], rebuild
 
 
-def _gather(params: Any, after: Any, where: _Gathering) -> Any:
+def _gather(params: Any, after: Any, gathering: _Gathering) -> Any:
     """`params` whole on every device, gathered only once `after` (any arrays) exists."""
-    zero = _zero_after(after, where)
-    replicated = (_mesh.replicated() if where.group is None
-                  else jax.sharding.NamedSharding(_mesh.group_mesh(where.group),
+    zero = _zero_after(after, gathering)
+    replicated = (_mesh.replicated() if gathering.group is None
+                  else jax.sharding.NamedSharding(_mesh.group_mesh(gathering.group),
                                                   jax.sharding.PartitionSpec()))
 
     def one(p):
         if not jnp.issubdtype(p.dtype, jnp.floating) or not p.ndim:
             return p
-        p = _split(p + zero.astype(p.dtype), where) if zero is not None else p
+        p = _split(p + zero.astype(p.dtype), gathering) if zero is not None else p
         return lax.with_sharding_constraint(p, replicated)
     return jax.tree.map(one, params)
 
 
-def _zero_after(after: Any, where: _Gathering) -> jax.Array | None:
+def _zero_after(after: Any, gathering: _Gathering) -> jax.Array | None:
     """An exact float32 zero that the compiler can only compute once all of `after` exists:
     the sign bits of its leaves' first elements (0 or 1), the largest, over the devices too
     (so that it is the same on each, as the parameters are), times 0.0 — a finite number
@@ -239,7 +239,7 @@ def _zero_after(after: Any, where: _Gathering) -> jax.Array | None:
     if not leaves:
         return None
     bits = functools.reduce(jnp.maximum, [_sign_bit(x) for x in leaves])
-    return _sign_zero(lax.pmax(bits, where.axes))
+    return _sign_zero(lax.pmax(bits, gathering.axes))
 
 
 def _sign_bit(x: jax.Array) -> jax.Array:
@@ -269,9 +269,9 @@ def _carrying(cotangents: Any, reduced: list) -> Any:
     return jax.tree.map(one, cotangents)
 
 
-def _split(x: jax.Array, where: _Gathering) -> jax.Array:
-    """`x` split as FSDP stores a parameter of its shape (`_zero.stored_sharding`)."""
-    return lax.with_sharding_constraint(x, _zero.stored_sharding(x, where.group))
+def _split(x: jax.Array, gathering: _Gathering) -> jax.Array:
+    """`x` split as FSDP stores a parameter of its shape (`_storage.stored_sharding`)."""
+    return lax.with_sharding_constraint(x, _storage.stored_sharding(x, gathering.group))
 
 
 def by_layer() -> bool:
@@ -284,9 +284,9 @@ def is_given(params: Any) -> bool:
     """Are `params` some of the step's own parameters, as the loss was given them? Not when
     they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`: those gather per
     layer already) or values the loss computed from them."""
-    where = _ACTIVE.get()
+    gathering = _ACTIVE.get()
     leaves = jax.tree.leaves(params)
-    return where is not None and bool(leaves) and all(id(x) in where.ids for x in leaves)
+    return gathering is not None and bool(leaves) and all(id(x) in gathering.ids for x in leaves)
 
 
 @contextlib.contextmanager

@@ -136,11 +136,11 @@ def _linen_gathering(paths: frozenset):
     import flax.linen as nn
 
     def gather(next_fun, args, kwargs, context):
-        where, module = _layers._ACTIVE.get(), context.module
-        if (where is None or _layers._INSIDE.get() or context.method_name != "__call__"
+        gathering, module = _layers._ACTIVE.get(), context.module
+        if (gathering is None or _layers._INSIDE.get() or context.method_name != "__call__"
                 or module.scope is None or module.path not in paths):
             return next_fun(*args, **kwargs)
-        out = _linen_call(module, args, kwargs, where)
+        out = _linen_call(module, args, kwargs, gathering)
         return next_fun(*args, **kwargs) if out is _AS_IS else out
 
     with nn.intercept_methods(gather):
@@ -150,7 +150,7 @@ def _linen_gathering(paths: frozenset):
 _AS_IS = object()
 
 
-def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
+def _linen_call(module: Any, args: tuple, kwargs: dict, gathering: Any) -> Any:
     """`module(*args, **kwargs)` with its parameters gathered on their own (`_AS_IS` while
     the model initialises).
 
@@ -177,7 +177,7 @@ def _linen_call(module: Any, args: tuple, kwargs: dict, where: Any) -> Any:
         out = module.clone(parent=scope, _deep_clone=True)(*a, **k)
         written = scope.mutable_variables() if mutable is not False else {}
         return out, {c: v for c, v in written.items() if c != "params"}
-    out, written = _layers.gathered_call(apply, params, ((args, kwargs), variables), where)
+    out, written = _layers.gathered_call(apply, params, ((args, kwargs), variables), gathering)
     for collection, tree in written.items():
         _put(module.scope, collection, tree)
     return out
@@ -223,10 +223,10 @@ def _nnx_gathering(paths: frozenset):
     """The NNX modules called at `paths` gather their parameters on their own."""
 
     def gather(module, path, call, args, kwargs):
-        where = _layers._ACTIVE.get()
-        if where is None or path not in paths:
+        gathering = _layers._ACTIVE.get()
+        if gathering is None or path not in paths:
             return call(module, *args, **kwargs)
-        return _nnx_call(module, call, args, kwargs, where)
+        return _nnx_call(module, call, args, kwargs, gathering)
 
     with _wrapped(_Calls(gather)):
         yield
@@ -296,7 +296,7 @@ def _reporting(fn: Callable) -> Callable:
     return call
 
 
-def _nnx_call(module: Any, call: Callable, args: tuple, kwargs: dict, where: Any) -> Any:
+def _nnx_call(module: Any, call: Callable, args: tuple, kwargs: dict, gathering: Any) -> Any:
     """`call(module, *args, **kwargs)` (the class's own `__call__`) with the module's
     `nnx.Param`s gathered on their own; its other state threaded through and written back.
 
@@ -316,7 +316,7 @@ def _nnx_call(module: Any, call: Callable, args: tuple, kwargs: dict, where: Any
         changed = [nnx.state(node) for node in _graph_nodes(call_args)]
         return out, nnx.state(inner, nnx.Not(nnx.Param)), changed
 
-    out, new_rest, changed = _layers.gathered_call(pure, params, ((args, kwargs), rest), where)
+    out, new_rest, changed = _layers.gathered_call(pure, params, ((args, kwargs), rest), gathering)
     nnx.update(module, new_rest)
     for node, state in zip(nodes, changed, strict=True):
         nnx.update(node, state)

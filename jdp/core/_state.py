@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _checks, _inflight, _mesh, _zero, forms, layouts, prng_keys
+from jdp.core import _checks, _inflight, _mesh, _storage, forms, layouts, prng_keys
 from jdp.distributed import agree, agree_once, broadcast_for, require_job
 from jdp.job import rank as _rank
 
@@ -109,13 +109,13 @@ def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
         option = f"shard_params={shard_params!r}" if shard_params else "shard_optimizer=True"
         raise TypeError(f"jdp.broadcast({option}): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
-    group = _zero.group_size(shard_params) if shard_params else None
-    placed = placed.replace(opt_state=_zero.place_split(host.opt_state, group,
+    group = _storage.group_size(shard_params) if shard_params else None
+    placed = placed.replace(opt_state=_storage.place_split(host.opt_state, group,
                                                          bool(shard_params)))
     if not shard_params:
         return placed
     _say_whole(host.params, group, shard_params)
-    return placed.replace(params=_zero.place_split(host.params, group))
+    return placed.replace(params=_storage.place_split(host.params, group))
 
 
 WHOLE_SAID = (0.01, 2**20)   # kept-whole parameters under this share or bytes: not worth a word
@@ -125,7 +125,7 @@ def _say_whole(params: Any, group: int | None, option: Any) -> None:
     """Warn when parameters that no axis of the device count divides, kept whole on every
     device, hold a noticeable share of the model and a MiB or more (a bias of 10 classes
     does not)."""
-    whole = _zero.whole_leaves(params, group)
+    whole = _storage.whole_leaves(params, group)
     total = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params))
     kept = sum(size for _, size in whole)
     if kept <= WHOLE_SAID[0] * total or kept < WHOLE_SAID[1]:
@@ -134,8 +134,8 @@ def _say_whole(params: Any, group: int | None, option: Any) -> None:
     warnings.warn(
         f"jdp.broadcast(shard_params={option!r}): {len(whole)} parameter(s) ({names}: "
         f"{kept / 2**20:.1f} MiB, {100 * kept / total:.0f} % of the parameters) have no axis "
-        f"the {_zero.ways(group)} devices divide, so each device keeps them whole; widths "
-        f"that {_zero.ways(group)} divides split them", UserWarning, stacklevel=3)
+        f"the {_storage.ways(group)} devices divide, so each device keeps them whole; widths "
+        f"that {_storage.ways(group)} divides split them", UserWarning, stacklevel=3)
 
 
 def shard(rows: Any, *, layout: str = "global") -> Any:

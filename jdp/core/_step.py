@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _dispatch, _grads, _layers, _mesh, _placement, _zero
+from jdp.core import _checks, _dispatch, _grads, _layers, _mesh, _placement, _storage
 from jdp.core._mesh import AXIS
 from jdp.distributed import agree_once, require_job
 
@@ -160,37 +160,37 @@ def group_gradients(state, batch, stop, *, options: StepOptions):
     mean, comm_dtype, sharded = o.mean, o.comm_dtype, o.shard_optimizer or o.shard_params
     master = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), state.params)
     if o.cast_batch:
-        batch = _zero.cast(batch, o.compute_dtype)
+        batch = _storage.cast(batch, o.compute_dtype)
     if o.shard_params:
         grads, new_ms, metrics = _fsdp_gradients(state, batch, stop, o)
         return (grads, new_ms, metrics), metrics.pop(_grads.STOP)
 
     def per_device(state, batch, stop):
-        params = _zero.cast(state.params, o.compute_dtype)
+        params = _storage.cast(state.params, o.compute_dtype)
         grads, field, new_ms, metrics = _grads.device_grads(
             state.replace(params=params), batch, stop, **o.loss_options())
         if field and o.model_state_sync is None:
             _checks.same_model_state(new_ms, field)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
         if sharded:
-            return _zero.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
+            return _storage.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
         return reduce_gradients(grads, mean=mean, comm_dtype=comm_dtype), new_ms, metrics
 
     state_spec = jax.tree.map(lambda _: P(), state.replace(opt_state=None))
     grads, new_ms, metrics = jax.shard_map(
         per_device, mesh=_mesh.mesh(), in_specs=(state_spec, P(AXIS), P(AXIS)),
-        out_specs=(_zero.grad_specs(master) if sharded else P(), P(), P()))(
+        out_specs=(_storage.grad_specs(master) if sharded else P(), P(), P()))(
             state.replace(opt_state=None), batch, stop)
     return (grads, new_ms, metrics), metrics.pop(_grads.STOP)
 
 
 def apply_update(state, grads, new_ms, *, options: StepOptions):
     """The step's second half: the optimizer update, on the replicated state or, with
-    `shard_optimizer` or `shard_params`, partitioned over the devices (`jdp/core/_zero.py`),
+    `shard_optimizer` or `shard_params`, partitioned over the devices (`jdp/core/_storage.py`),
     and the new model state (BatchNorm statistics) put in its field."""
     if options.shard_optimizer or options.shard_params:
-        group = _zero.group_size(options.shard_params) if options.shard_params else None
-        state = _zero.apply(state, grads, options.comm_dtype, bool(options.shard_params), group)
+        group = _storage.group_size(options.shard_params) if options.shard_params else None
+        state = _storage.apply(state, grads, options.comm_dtype, bool(options.shard_params), group)
     else:
         state = state.apply_gradients(grads=grads)
     field = _grads.model_state_field(state)
@@ -201,10 +201,10 @@ def _fsdp_gradients(state, batch, stop, options: StepOptions):
     """FSDP's gradients, all at jit level: the devices' losses under `jax.vmap` over the
     stored (split) parameters, so the compiler gathers each layer where it is used
     (`_grads.mapped_grads`); they come back split as the parameters are."""
-    params, group = state.params, _zero.group_size(options.shard_params)
+    params, group = state.params, _storage.group_size(options.shard_params)
     grads, new_ms, metrics = _grads.mapped_grads(
         state, batch, stop, mean=options.mean, group=group,
-        split_axes=_zero.split_axes(params, group), comm_dtype=options.comm_dtype,
+        split_axes=_storage.split_axes(params, group), comm_dtype=options.comm_dtype,
         compute_dtype=options.compute_dtype, **options.loss_options())
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     # The model state (BatchNorm statistics) is one copy, replicated as the state came in
