@@ -133,7 +133,8 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     again) layer by layer, in `compute_dtype` (the parameters are cast before the map, so they
     are gathered in it too). Collectives over `AXIS` in the loss work as under `shard_map`.
     HSDP (`group`, each parameter split on its `split_axes`): `_grouped_grads`. Returns
-    (gradients, synced model state, metrics with the stop flag), all global.
+    (gradients in the parameters' dtypes, split as they are; the synced model state,
+    replicated; metrics with the stop flag), all global.
     """
     n, k = _mesh.mesh().size, accum_steps
     field = model_state_field(state)
@@ -157,7 +158,12 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
     metrics[STOP] = jnp.sum(stop).astype(jnp.float32) / n
     if field and model_state_sync is None and jax.tree.leaves(ms):
         metrics[MODEL_STATE_DIFFERS] = _first_differing_leaf(ms)   # device 0's is kept: all same?
-    return grads, _merge_model_state(ms, model_state_sync), metrics
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    # The model state (BatchNorm statistics) is one copy, replicated as the state came in
+    # (the compiler would otherwise leave it split like the devices' copies it came from).
+    ms = jax.tree.map(lambda x: lax.with_sharding_constraint(x, _mesh.replicated()),
+                      _merge_model_state(ms, model_state_sync))
+    return grads, ms, metrics
 
 
 def _first_differing_leaf(ms: Any) -> jax.Array:

@@ -153,7 +153,7 @@ def group_gradients(state, batch, stop, *, options: StepOptions):
     or split with `shard_optimizer` / `shard_params`).
 
     Gradients per device inside `shard_map`, reduced there; FSDP and HSDP take theirs at jit
-    level (`_fsdp_gradients`). `jdp.ft` runs this half, reduces its output across replica
+    level (`_grads.mapped_grads`). `jdp.ft` runs this half, reduces its output across replica
     groups on the host, and then `apply_update`.
     """
     o = options
@@ -162,7 +162,11 @@ def group_gradients(state, batch, stop, *, options: StepOptions):
     if o.cast_batch:
         batch = _storage.cast(batch, o.compute_dtype)
     if o.shard_params:
-        grads, new_ms, metrics = _fsdp_gradients(state, batch, stop, o)
+        group = _storage.group_size(o.shard_params)
+        grads, new_ms, metrics = _grads.mapped_grads(
+            state, batch, stop, mean=mean, group=group, comm_dtype=comm_dtype,
+            split_axes=_storage.split_axes(state.params, group), compute_dtype=o.compute_dtype,
+            **o.loss_options())
         return (grads, new_ms, metrics), metrics.pop(_grads.STOP)
 
     def per_device(state, batch, stop):
@@ -195,22 +199,6 @@ def apply_update(state, grads, new_ms, *, options: StepOptions):
         state = state.apply_gradients(grads=grads)
     field = _grads.model_state_field(state)
     return state.replace(**{field: new_ms}) if field else state
-
-
-def _fsdp_gradients(state, batch, stop, options: StepOptions):
-    """FSDP's gradients, all at jit level: the devices' losses under `jax.vmap` over the
-    stored (split) parameters, so the compiler gathers each layer where it is used
-    (`_grads.mapped_grads`); they come back split as the parameters are."""
-    params, group = state.params, _storage.group_size(options.shard_params)
-    grads, new_ms, metrics = _grads.mapped_grads(
-        state, batch, stop, mean=options.mean, group=group,
-        split_axes=_storage.split_axes(params, group), comm_dtype=options.comm_dtype,
-        compute_dtype=options.compute_dtype, **options.loss_options())
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    # The model state (BatchNorm statistics) is one copy, replicated as the state came in
-    # (the compiler would otherwise leave it split like the devices' copies it came from).
-    new_ms = jax.tree.map(lambda x: lax.with_sharding_constraint(x, _mesh.replicated()), new_ms)
-    return grads, new_ms, metrics
 
 
 def place_stop(flag: bool) -> jax.Array:
