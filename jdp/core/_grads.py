@@ -277,31 +277,13 @@ def _names_axis(loss_fn, has_aux, state, micro, ms) -> bool:
         loss_fn, has_aux, params, b, ms, rng)[0]
     program = jax.make_jaxpr(jax.grad(device_loss), axis_env=[(AXIS, _mesh.mesh().size)])(
         state.params, one(one(micro)), one(ms))
-    return _mentions(program.jaxpr, AXIS)
+    return _layers.first_equation(program.jaxpr, _names_batch_axis) is not None
 
 
-def _mentions(program: Any, axis: str) -> bool:
-    """Does a jaxpr (or a sub-program among its equations' parameters) name `axis` in a
-    collective's axes?"""
-    for eqn in program.eqns:
-        for key, value in eqn.params.items():
-            if key in ("axes", "axis_name") and axis in (
-                    value if isinstance(value, tuple) else (value,)):
-                return True
-            if any(_mentions(sub, axis) for sub in _programs(value)):
-                return True
-    return False
-
-
-def _programs(value: Any) -> list:
-    """The jaxprs within an equation's parameter (a jaxpr, a closed one, or a tuple of them)."""
-    if hasattr(value, "eqns"):
-        return [value]
-    if hasattr(getattr(value, "jaxpr", None), "eqns"):
-        return [value.jaxpr]
-    if isinstance(value, tuple | list):
-        return [p for v in value for p in _programs(v)]
-    return []
+def _names_batch_axis(eqn: Any) -> bool:
+    """Does a collective equation name `AXIS` among its axes?"""
+    names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    return AXIS in (names if isinstance(names, tuple) else (names,))
 
 
 def _copies(p, axis, groups, group):

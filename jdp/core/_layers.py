@@ -178,15 +178,23 @@ def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
 
 def _collective(jaxpr: Any) -> str:
     """The name of the first collective in `jaxpr` (its sub-jaxprs too), '' when none."""
+    eqn = first_equation(jaxpr, lambda e: e.primitive.name in _COLLECTIVES)
+    return eqn.primitive.name if eqn is not None else ""
+
+
+def first_equation(jaxpr: Any, wanted: Callable[[Any], bool]) -> Any:
+    """The first equation of `jaxpr` for which `wanted(eqn)`, looking into the sub-programs
+    among its equations' parameters (cond's branches, scan's and remat's bodies, custom
+    derivatives' programs) too; None when there is none."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _COLLECTIVES:
-            return eqn.primitive.name
+        if wanted(eqn):
+            return eqn
         for value in eqn.params.values():
             for inner in value if isinstance(value, (tuple, list)) else (value,):
                 sub = getattr(inner, "jaxpr", inner)
-                if hasattr(sub, "eqns") and (found := _collective(sub)):
+                if hasattr(sub, "eqns") and (found := first_equation(sub, wanted)) is not None:
                     return found
-    return ""
+    return None
 
 
 def _inside(fn: Callable) -> Callable:
