@@ -14,6 +14,11 @@ stops the job. A group at step 0 trains only when `_start` says so: never from t
 state while the job has gone on, never alone unless `min_groups` allows it. A group that
 stopped for good records why (`_record`), so its launcher's restarts stop at once too.
 With `sync_every` the groups sync every H steps instead: those steps are `_syncs.Syncs`'s.
+
+One path drives the attempts: `_turns` holds each attempt's quorum and batch in a `_Turn`, and
+`_take` runs the attempt on it. `Replicas.train` is that loop in one call; `batches` and
+`train_step` are the same loop split between the caller's `for` and its step call, which hand
+each other the turn.
 """
 from __future__ import annotations
 
@@ -96,10 +101,18 @@ class Replicas(_syncs.Syncs):
     Example (in a script started by `jdp.launch --replica_group G ...`)::
 
         replicas = jdp.ft.Replicas(state, loader)
+        for state, metrics in replicas.train(loss_fn, num_steps):
+            ...
+
+    or, the same attempts with the loop's halves in the caller's hands::
+
         step = replicas.train_step(loss_fn)
         for batch in replicas.batches(num_steps):
             state, metrics = step(state, batch)
     """
+
+    _turn: _Turn | None = None   # the attempt under way: made by the first run, kept by the
+                                 # next (a discarded attempt's batch is redone there)
 
     def __init__(self, state: Any, loader: Any = None, *, group: int | None = None,
                  groups: int | None = None, lighthouse: str | None = None,
@@ -138,12 +151,10 @@ class Replicas(_syncs.Syncs):
         self._joined: tuple | None = None
         self._joined_sent: Any = None
         self._num_steps = 0
-        self._healed: Any = None      # a peer's state, placed (with the carry when semi-sync)
-        self._batch: Any = None       # the batch of the step under way, kept for a retry
-        self._train: Any = None       # the TrainStep of train_step: its halves and options
+        self._train: Any = None       # the last TrainStep made: the warm-up compiles its halves
+        self._handed: _Turn | None = None   # batches' turn, for the step call (`train_step`)
         self._plans: dict = {}        # the exchange's buffer plans, by tree (`_buffers`)
         self._epochs: Iterator | None = None
-        self._ready = False           # a quorum was held for the attempt the step makes
         self._began = 0.0             # when the attempt began (its quorum)
         self._blocked = 0.0           # seconds in quorums and exchanges since the last commit
         self._checked: Any = None     # the quorum whose fingerprints were compared last
@@ -241,68 +252,108 @@ class Replicas(_syncs.Syncs):
         """The latest state: after a heal, the peer's."""
         return self._state
 
+    def train(self, loss_fn: Callable, num_steps: int, **options: Any) -> Iterator[tuple]:
+        """Train until `num_steps` are committed (with `sync_every`: the group's own steps),
+        the whole loop in one call: for each attempt the quorum (a heal when this group comes
+        back), the loader's next batch (the same again after a discarded attempt), then
+        `jdp.train_step(loss_fn, **options)` on the group's own state, its gradient summed over
+        the quorum's groups. Yields `(state, metrics)` after every attempt: a discarded one's
+        state is the one it started from (`replicas.committed` is False). The same attempts as
+        `train_step` called in `batches`' loop, with nothing left to the caller to get wrong."""
+        whole = self._made(loss_fn, options)
+        for turn in self._turns(num_steps, "train"):
+            yield self._take(whole, turn, self._state, turn.batch)
+
     def train_step(self, loss_fn: Callable, **options: Any) -> Callable:
         """`jdp.train_step(loss_fn, **options)` whose gradient is summed over the groups in
-        the quorum: `step(state, batch) -> (state, metrics)`. A discarded attempt returns the
-        state it was given (`replicas.committed` is False); after a heal the step starts
-        from the peer's state, whatever state it is given. With `sync_every` every step
-        goes on from the group's own state (`replicas.state`), which syncs and heals
-        replace; pass back the state the step returned."""
-        whole = self._train = train_step(loss_fn, **options)   # the sum between its halves
-        gradients, update, mean = whole.gradients, whole.update, whole.options.mean
-        self._fields["options"] = _fingerprint.of_options(options)
+        the quorum: `step(state, batch) -> (state, metrics)`, called once per batch of
+        `batches` (`train` runs both in one loop). A discarded attempt returns the state it
+        was given (`replicas.committed` is False); after a heal the step starts from the
+        peer's state, whatever state it is given. With `sync_every` every step goes on from
+        the group's own state (`replicas.state`), which syncs and heals replace; pass back
+        the state the step returned."""
+        whole = self._made(loss_fn, options)
 
         def step(state, batch):
-            if self._outer is not None:
-                return self._own_step(gradients, update, state, batch)
-            return self._attempt(gradients, update, mean, state, batch)
+            turn, self._handed = self._handed, None
+            if turn is None:
+                raise RuntimeError(
+                    "Replicas: the step ran outside `for batch in replicas.batches(num_steps)`"
+                    f", which holds each step's {'quorum' if self._outer is None else 'place'}")
+            return self._take(whole, turn, state, batch)
         return step
 
     def batches(self, num_steps: int) -> Iterator:
-        """The group's batch of each step until `num_steps` are committed: a quorum before
-        each (a heal when this group comes back), and the same batch again after a
-        discarded attempt. Before the first quorum the step from `train_step` is compiled on
-        the first batch (`_warm_up`), and only then does the group make itself known to the
-        Lighthouse (`_connect`), so the other groups never wait for its compilation."""
-        num_steps = _values.integer("jdp.ft.Replicas.batches", "num_steps", num_steps,
+        """The group's batch of each step until `num_steps` are committed, for exactly one
+        call of the step from `train_step`: a quorum before each (a heal when this group
+        comes back), and the same batch again after a discarded attempt (`_turns`)."""
+        for turn in self._turns(num_steps, "batches"):
+            self._handed = turn
+            try:
+                yield turn.batch
+            finally:
+                missed, self._handed = self._handed is not None, None
+            if missed:
+                raise RuntimeError("Replicas.batches: a batch went by without a step; call "
+                                   "the step from replicas.train_step once per batch")
+
+    def _made(self, loss_fn: Callable, options: dict) -> Any:
+        """`jdp.train_step(loss_fn, **options)`, whose halves the attempts run (the sum across
+        groups between them); its options go into the fingerprint."""
+        self._train = train_step(loss_fn, **options)
+        self._fields["options"] = _fingerprint.of_options(options)
+        return self._train
+
+    def _turns(self, num_steps: int, who: str) -> Iterator[_Turn]:
+        """The turn of each attempt until `num_steps` are committed, yielded with its quorum
+        held and its batch taken (semi-synchronous: of each of the group's own steps,
+        `_rounds`). Before the first quorum the step is compiled on the first batch
+        (`_warm_up`), and only then does the group make itself known to the Lighthouse
+        (`_connect`), so the other groups never wait for its compilation."""
+        num_steps = _values.integer(f"jdp.ft.Replicas.{who}", "num_steps", num_steps,
                                     minimum=1, fix="the number of steps to commit")
         if self.loader is None:
-            raise ValueError("Replicas.batches: no loader; pass Replicas(state, loader) with a "
+            raise ValueError(f"Replicas.{who}: no loader; pass Replicas(state, loader) with a "
                              "jdp.data.Loader over jdp.ft.sampler(len(source))")
         self._fields["num_steps"] = str(num_steps)
         self._num_steps = num_steps
-        self._warm_up()
+        if self._turn is None:
+            self._turn = _Turn()
+        turn = self._turn
+        self._warm_up(turn)
         self._connect()
         if self._outer is not None:
-            yield from self._rounds(num_steps)
+            yield from self._rounds(turn, num_steps)
             return
         while self.step < num_steps:
             self._quorum()
-            yield from self._hand_out()
+            yield self._batched(turn)
 
-    def _hand_out(self) -> Iterator:
-        """The batch of the step under way (the same again after a discarded attempt), for
-        exactly one call of the step."""
-        if self._batch is None:
-            self._batch = self._next_batch()
-        self._ready = True
-        yield self._batch
-        if self._ready:
-            raise RuntimeError("Replicas.batches: a batch went by without a step; call "
-                               "the step from replicas.train_step once per batch")
+    def _batched(self, turn: _Turn) -> _Turn:
+        """`turn` with its batch: the one kept from a discarded attempt, else the next."""
+        if turn.batch is None:
+            turn.batch = self._next_batch()
+        return turn
 
-    def _warm_up(self) -> None:
+    def _take(self, whole: Any, turn: _Turn, state: Any, batch: Any) -> tuple:
+        """One attempt on `turn` with the halves of `whole` (a TrainStep): synchronous
+        (`_attempt`), or one of the group's own steps (`_own_step`)."""
+        if self._outer is not None:
+            return self._own_step(whole, turn, batch)
+        return self._attempt(whole, turn, state, batch)
+
+    def _warm_up(self, turn: _Turn) -> None:
         """Compile this group's step before its first quorum (the step from `train_step`,
         on the first batch: one gradient computed and dropped, the exchange's buffers made
         and unmade on the devices, the update compiled alone, as it donates the state). A
         group that joins a running job, or comes back to it, then computes its first
         attempt at once: the others no longer wait in the all-reduce for its compilation
         (seconds on a CPU; past `timeout`, a discarded step)."""
-        if self._train is None or self._batch is not None:
+        if self._train is None or turn.batch is not None:
             return
         gradients, update = self._train.gradients, self._train.update
-        self._batch = self._next_batch()   # the first step's (a heal replaces it)
-        tree = gradients(self._state, self._batch)
+        turn.batch = self._next_batch()   # the first step's (a heal replaces it)
+        tree = gradients(self._state, turn.batch)
         plan = _buffers.Buffers.of(tree, _divided(tree, self._train.options.mean), self._plans)
         grads, new_model_state, _ = plan.unflatten(plan.flatten(tree), tree, 1)
         update.lower(self._state, grads, new_model_state).compile()
@@ -432,18 +483,15 @@ class Replicas(_syncs.Syncs):
         self._record(_record.STOP, step=self.step, reason=line)
         raise _final(line)
 
-    def _attempt(self, gradients, update, mean, state, batch):
-        if not self._ready:
-            raise RuntimeError("Replicas: the step ran outside `for batch in "
-                               "replicas.batches(num_steps)`, which holds each step's quorum")
-        self._ready = False
-        if self._healed is not None:
-            state, self._healed = self._healed, None
+    def _attempt(self, whole: Any, turn: _Turn, state: Any, batch: Any) -> tuple:
+        """A synchronous attempt: the gradient, its sum over the quorum's groups, the vote,
+        and the update only if every group committed (the turn's batch then done)."""
+        state = turn.start(state)
         if self.step == 0:
             state = self._initial(state)
-        grads, new_ms, metrics = gradients(state, batch)
+        grads, new_ms, metrics = whole.gradients(state, batch)
         tree = (grads, new_ms, metrics)
-        plan = _buffers.Buffers.of(tree, _divided(tree, mean), self._plans)
+        plan = _buffers.Buffers.of(tree, _divided(tree, whole.options.mean), self._plans)
         buffers = plan.flatten(tree)
         host = _buffers.to_host(buffers)
         self._vote(host)
@@ -453,8 +501,8 @@ class Replicas(_syncs.Syncs):
             return state, metrics
         grads, new_ms, metrics = plan.unflatten(_buffers.back(buffers, host), tree,
                                                 len(self.groups))
-        self._state = update(state, grads, new_ms)
-        self._batch = None
+        self._state = whole.update(state, grads, new_ms)
+        turn.batch = None
         if self.loader is not None:   # the batches of the committed steps, all handed out
             self._position = self.loader.state_dict()
         self.history.append((self.step, self.groups))
@@ -546,12 +594,12 @@ class Replicas(_syncs.Syncs):
                                                       self._state_fields)
         if self._mismatch is not None:
             return
-        self._healed = _exchange.from_host(self._healable(),
-                                           _exchange.from_wire(saved["state"]))
+        healed = self._turn.healed = _exchange.from_host(self._healable(),
+                                                         _exchange.from_wire(saved["state"]))
         if self._outer is None:
-            self._state = self._healed
+            self._state = healed
         else:
-            (self._state, self._carry), self._inner = self._healed, saved["inner"]
+            (self._state, self._carry), self._inner = healed, saved["inner"]
             self._joined = saved["phase"]
             self._joined_sent = None if saved["sent"] is None else _exchange.from_host(
                 self._outer.sent(self._state, self._joined[1]),
@@ -559,7 +607,7 @@ class Replicas(_syncs.Syncs):
         if self.loader is not None and saved["loader"] is not None:
             self.loader.load_state_dict(saved["loader"])
             self._position = saved["loader"]
-            self._epochs, self._batch = None, None
+            self._epochs, self._turn.batch = None, None
         step = self._manager.current_step()
         if step > 0 and self._events is not None:
             self._record("heal", step=step, digest=_exchange.digest(saved["state"]),
@@ -582,6 +630,23 @@ class Replicas(_syncs.Syncs):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Turn:
+    """The attempt under way, in one place: its batch, kept until an attempt on it commits
+    (a discarded attempt is redone on it), and the peer's state this group healed from in
+    the attempt's quorum, which the attempt starts from (with the carry when
+    semi-synchronous). `_turns` makes it and yields it once its quorum is held; torchft's
+    heal (`Replicas._load_state_dict`, during that quorum) writes into it."""
+
+    def __init__(self) -> None:
+        self.batch: Any = None
+        self.healed: Any = None
+
+    def start(self, state: Any) -> Any:
+        """The state the attempt starts from: the healed peer's (taken), else `state`."""
+        healed, self.healed = self.healed, None
+        return state if healed is None else healed
 
 
 def _final(line: str) -> RuntimeError:

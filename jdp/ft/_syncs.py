@@ -6,8 +6,9 @@ and every `sync_every / fragments` steps one fragment of the parameters syncs: a
 fragment's exchange started (`Pending`, an all-reduce on its own thread), merged `overlap`
 steps later by `_outer.Outer` once every group's exchange succeeded (redone in new quorums
 with the same values until one commits). A group that comes back heals from a peer at one of
-its syncs and joins that sync (`_join`). `Syncs` holds these steps as methods of `Replicas`,
-which inherits them: they run on its state, quorums and votes.
+its syncs and joins that sync (`_join`): the peer's state comes in the turn under way
+(`Replicas._turn`, which the heal writes), taken by the sync's exchange. `Syncs` holds these
+steps as methods of `Replicas`, which inherits them: they run on its state, quorums and votes.
 """
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ WHO = "jdp.ft.Replicas"
 class Syncs:
     """`Replicas`'s semi-synchronous steps (see the module docstring)."""
 
-    def _rounds(self, num_steps: int) -> Iterator:
-        """Semi-synchronous: the group's own steps, a sync after every `sync_every` of them
-        and after the last (inside the step call, `_own_step`); a quorum only at a sync."""
+    def _rounds(self, turn: Any, num_steps: int) -> Iterator:
+        """Semi-synchronous: the turn of each of the group's own steps, a sync after every
+        `sync_every` of them and after the last (in the step, `_own_step`); a quorum only at
+        a sync."""
         self._begin()
         while self._inner < num_steps:
-            yield from self._hand_out()
+            yield self._batched(turn)
 
     def _begin(self) -> None:
         """A semi-synchronous group's first quorum. A fresh job agrees on the lowest group's
@@ -69,17 +71,15 @@ class Syncs:
         if self._inner >= self._num_steps:   # the peer is at the run's end: so is this group
             self._final_syncs(fragment + 1 if kind == "final" else 0)
 
-    def _own_step(self, gradients, update, state, batch):
-        """One of the group's own steps; then the sync in flight merged when due, and a
-        fragment's sync started when due (every fragment's at the run's last step)."""
-        if not self._ready:
-            raise RuntimeError("Replicas: the step ran outside `for batch in "
-                               "replicas.batches(num_steps)`, which holds each step's place")
-        self._ready = False
-        state = self._state   # the group's own: a sync or a heal may have replaced it
-        grads, new_ms, metrics = gradients(state, batch)
-        self._state = update(state, grads, new_ms)
-        self._batch, self._inner = None, self._inner + 1
+    def _own_step(self, whole: Any, turn: Any, batch: Any) -> tuple:
+        """One of the group's own steps on the group's own state (a sync or a heal may have
+        replaced it), with the halves of `whole` (a TrainStep); then the sync in flight merged
+        when due, and a fragment's sync started when due (every fragment's at the run's last
+        step)."""
+        state = self._state
+        grads, new_ms, metrics = whole.gradients(state, batch)
+        self._state = whole.update(state, grads, new_ms)
+        turn.batch, self._inner = None, self._inner + 1
         self.committed = True
         if self._pending is not None and self._inner >= self._pending.merge_at:
             self._finish()
@@ -106,7 +106,7 @@ class Syncs:
         merge_at = self._inner + overlap
         self._phase = ("final" if final else "send", fragment, merge_at, self._inner)
         self._quorum()
-        if self._healed is not None:
+        if self._turn.healed is not None:
             self._join()
             return True
         self._start_exchange(fragment, merge_at)
@@ -119,9 +119,9 @@ class Syncs:
         """This group's part of fragment `fragment`'s all-reduce, started (`Pending`). A
         group healed in this quorum adds zeros and is not counted: it holds the peer's state,
         which the peer adds itself."""
-        healed = self._healed is not None
+        healed = self._turn.healed is not None
         if healed:
-            (self._state, self._carry), self._healed = self._healed, None
+            self._state, self._carry = self._turn.start(None)
         tree = self._outer.exchanged(self._state, self._carry, fragment)
         if sent is None:
             sent = self._outer.sent(self._state, fragment)
@@ -151,7 +151,7 @@ class Syncs:
             self._discarded(time.perf_counter() - self._began, "the sync")
             self._phase = ("redo", pending.fragment, pending.merge_at, pending.inner)
             self._quorum()
-            if self._healed is not None:   # behind a sync the others committed meanwhile:
+            if self._turn.healed is not None:   # behind a sync the others committed meanwhile:
                 self._pending = None       # healed, this group joins the sync they are at
                 self._join()
                 return
