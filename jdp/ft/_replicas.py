@@ -260,6 +260,7 @@ class Replicas(_syncs.Syncs):
         the quorum's groups. Yields `(state, metrics)` after every attempt: a discarded one's
         state is the one it started from (`replicas.committed` is False). The same attempts as
         `train_step` called in `batches`' loop, with nothing left to the caller to get wrong."""
+        num_steps = _num_steps("train", num_steps)
         whole = self._made(loss_fn, options)
         for turn in self._turns(num_steps, "train"):
             yield self._take(whole, turn, self._state, turn.batch)
@@ -287,6 +288,7 @@ class Replicas(_syncs.Syncs):
         """The group's batch of each step until `num_steps` are committed, for exactly one
         call of the step from `train_step`: a quorum before each (a heal when this group
         comes back), and the same batch again after a discarded attempt (`_turns`)."""
+        num_steps = _num_steps("batches", num_steps)
         for turn in self._turns(num_steps, "batches"):
             self._handed = turn
             try:
@@ -310,8 +312,6 @@ class Replicas(_syncs.Syncs):
         `_rounds`). Before the first quorum the step is compiled on the first batch
         (`_warm_up`), and only then does the group make itself known to the Lighthouse
         (`_connect`), so the other groups never wait for its compilation."""
-        num_steps = _values.integer(f"jdp.ft.Replicas.{who}", "num_steps", num_steps,
-                                    minimum=1, fix="the number of steps to commit")
         if self.loader is None:
             raise ValueError(f"Replicas.{who}: no loader; pass Replicas(state, loader) with a "
                              "jdp.data.Loader over jdp.ft.sampler(len(source))")
@@ -673,6 +673,12 @@ def sampler(num_examples: int, *, shuffle: bool = True, seed: int = 0, drop_last
     return DistributedSampler(num_examples, num_replicas=groups * n,
                               rank=group * n + jax.process_index(), shuffle=shuffle, seed=seed,
                               drop_last=drop_last)
+
+
+def _num_steps(who: str, num_steps: Any) -> int:
+    """`num_steps` of `Replicas.train` or `Replicas.batches`, checked."""
+    return _values.integer(f"jdp.ft.Replicas.{who}", "num_steps", num_steps, minimum=1,
+                           fix="the number of steps to commit")
 
 
 def _forever(loader: Any) -> Iterator:

@@ -234,3 +234,11 @@ def test_the_step_outside_batches_and_a_batch_without_a_step_are_named(group):
         break
     with pytest.raises(RuntimeError, match="the step ran outside"):   # after the loop
         step(state, batch)
+
+
+@pytest.mark.parametrize("num_steps, error", [(0, ValueError), (1.5, TypeError)])
+def test_the_one_calls_num_steps_is_checked_as_batches_is(num_steps, error):
+    for who, run in (("train", lambda: jdp.ft.Replicas.train(None, _loss, num_steps)),
+                     ("batches", lambda: jdp.ft.Replicas.batches(None, num_steps))):
+        with pytest.raises(error, match=rf"^jdp\.ft\.Replicas\.{who}: num_steps="):
+            next(run())
