@@ -1,6 +1,7 @@
 """A replica group's script whose set-up the tests vary: the example's model and data
 (`examples/fault_tolerant.py`) with another optimizer, layout, batch size, sampler or
-`jdp.ft.Replicas` limits. Run as a script, one process per group process."""
+`jdp.ft.Replicas` limits, its loop in either form (`--train`: one call). Run as a script, one
+process per group process."""
 import argparse
 import os
 import sys
@@ -36,7 +37,26 @@ def parse_args():
     p.add_argument("--sync_every", type=int, default=None)
     p.add_argument("--diloco", action="store_true", help="with --sync_every: outer SGD(0.7)")
     p.add_argument("--out", default=None, help="the final parameters (.npz, process 0)")
+    p.add_argument("--train", action="store_true",
+                   help="the loop in one call, replicas.train (default: train_step in batches)")
     return p.parse_args()
+
+
+def one_call(replicas, state, args, layout) -> None:
+    """`replicas.train`, each attempt paced to last `--step_time` at least."""
+    began = time.perf_counter()
+    for _ in replicas.train(example.loss_fn, args.steps, **layout):
+        time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
+        began = time.perf_counter()
+
+
+def step_by_step(replicas, state, args, layout) -> None:
+    """`replicas.train_step`'s step called in `replicas.batches`' loop, each step paced."""
+    step = replicas.train_step(example.loss_fn, **layout)
+    for batch in replicas.batches(args.steps):
+        began = time.perf_counter()
+        state, _ = step(state, batch)
+        time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
 
 
 def main() -> None:
@@ -54,11 +74,7 @@ def main() -> None:
                          quorum_timeout=args.quorum_timeout,
                          min_groups=args.min_groups, sync_every=args.sync_every,
                          outer=optax.sgd(0.7) if args.diloco else None) as replicas:
-        step = replicas.train_step(example.loss_fn, **layout)
-        for batch in replicas.batches(args.steps):
-            began = time.perf_counter()
-            state, _ = step(state, batch)
-            time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
+        (one_call if args.train else step_by_step)(replicas, state, args, layout)
         state = replicas.state
     final = jax.tree.map(np.asarray, jdp.unshard(state.params))
     if args.out and jax.process_index() == 0:
