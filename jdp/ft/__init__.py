@@ -12,7 +12,12 @@ group never trains from the initial state while the job has gone on, nor alone u
 The names resolve on first use, so the launcher imports `jdp.ft.lighthouse` without JAX.
 
     replicas = jdp.ft.Replicas(state, loader)   # loader over jdp.ft.sampler(len(source))
-    step = replicas.train_step(loss_fn)          # jdp.train_step's options
+    for state, metrics in replicas.train(loss_fn, num_steps):   # jdp.train_step's options
+        ...
+
+or, the same attempts with the step in the caller's loop:
+
+    step = replicas.train_step(loss_fn)
     for batch in replicas.batches(num_steps):
         state, metrics = step(state, batch)
 """

@@ -259,7 +259,8 @@ class Replicas(_syncs.Syncs):
         `jdp.train_step(loss_fn, **options)` on the group's own state, its gradient summed over
         the quorum's groups. Yields `(state, metrics)` after every attempt: a discarded one's
         state is the one it started from (`replicas.committed` is False). The same attempts as
-        `train_step` called in `batches`' loop, with nothing left to the caller to get wrong."""
+        `train_step`'s step called in `batches`' loop, with no step call to pair with each
+        batch and no state to pass back."""
         num_steps = _num_steps("train", num_steps)
         whole = self._made(loss_fn, options)
         for turn in self._turns(num_steps, "train"):
@@ -636,8 +637,9 @@ class _Turn:
     """The attempt under way, in one place: its batch, kept until an attempt on it commits
     (a discarded attempt is redone on it), and the peer's state this group healed from in
     the attempt's quorum, which the attempt starts from (with the carry when
-    semi-synchronous). `_turns` makes it and yields it once its quorum is held; torchft's
-    heal (`Replicas._load_state_dict`, during that quorum) writes into it."""
+    semi-synchronous). `_turns` makes it (once: a later run goes on with it) and yields it
+    for each attempt once its quorum is held; torchft's heal (`Replicas._load_state_dict`,
+    during that quorum) writes into it."""
 
     def __init__(self) -> None:
         self.batch: Any = None
