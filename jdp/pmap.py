@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jdp.core import (
     AXIS,
     Step,
+    StepOptions,
     batch_leaves,
     bool_options,
     device_eval_step,
@@ -152,10 +153,10 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False, grad_reduce: str = "
     o = {**train_options(grad_reduce, accum_steps, model_state_sync, max_in_flight, comm_dtype,
                          who=who),
          **bool_options(who, has_aux=has_aux, donate=donate)}
-    body = functools.partial(
-        device_train_step, loss_fn=loss_fn, has_aux=o["has_aux"], grad_reduce=o["grad_reduce"],
+    body = functools.partial(device_train_step, options=StepOptions(
+        loss_fn, has_aux=o["has_aux"], grad_reduce=o["grad_reduce"],
         accum_steps=o["accum_steps"], model_state_sync=o["model_state_sync"],
-        comm_dtype=comm_dtype)
+        comm_dtype=comm_dtype, donate=o["donate"], max_in_flight=o["max_in_flight"]))
     transform = functools.partial(_MarkedPmap, axis_name=AXIS,
                                   donate_argnums=(0,) if o["donate"] else ())
     check = functools.partial(_check, accum_steps=o["accum_steps"], train=True)

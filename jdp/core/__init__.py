@@ -12,34 +12,29 @@ field holds the model state (`jdp.ft`), ZeRO's records and the bound on own step
 (`StepWindow`).
 """
 from jdp.core import layouts
-from jdp.core._checks import (
-    batch_leaves,
-    bool_options,
-    leaf_name,
-    not_donated,
-    one_size,
-    train_options,
-    trainable,
-)
 from jdp.core._dispatch import Step, stop_values
-from jdp.core._grads import model_state_field
 from jdp.core._inflight import StepWindow
-from jdp.core._layers import layer, layer_policy
-from jdp.core._mesh import AXIS, batch_sharded, mesh, place, replicated
+from jdp.core._inputs import batch_leaves, not_donated, one_size, trainable
+from jdp.core._options import bool_options, train_options
 from jdp.core._state import TrainState, broadcast, divisible_rows, shard, unshard
 from jdp.core._step import (
+    StepOptions,
     TrainStep,
     device_eval_step,
     device_train_step,
     eval_step,
-    reduce_gradients,
     train_step,
 )
+from jdp.spmd.grads import model_state_field
+from jdp.spmd.layers import layer, layer_policy
+from jdp.spmd.mesh import AXIS, batch_sharded, mesh, place, replicated
+from jdp.spmd.outputs import leaf_name
+from jdp.spmd.strategies import reduce_gradients
 
 __all__ = ["AXIS", "TrainState", "broadcast", "eval_step", "layer", "layer_policy", "mesh",
            "reduce_gradients", "shard", "train_step", "unshard",
            # for jdp's other packages
-           "Step", "StepWindow", "TrainStep", "batch_leaves", "batch_sharded", "bool_options",
-           "device_eval_step", "device_train_step", "divisible_rows", "layouts", "leaf_name",
-           "model_state_field", "not_donated", "one_size", "place", "replicated",
+           "Step", "StepOptions", "StepWindow", "TrainStep", "batch_leaves", "batch_sharded",
+           "bool_options", "device_eval_step", "device_train_step", "divisible_rows", "layouts",
+           "leaf_name", "model_state_field", "not_donated", "one_size", "place", "replicated",
            "stop_values", "train_options", "trainable"]

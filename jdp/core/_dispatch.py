@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.core import _checks, _inflight
+from jdp.core import _inflight, _inputs
 from jdp.distributed import agree
 from jdp.job import rank as _rank
 from jdp.metrics import profile as _profile
@@ -63,7 +63,7 @@ class Step:
 
     def __call__(self, state: Any, batch: Any) -> Any:
         if self.donate and _deleted(getattr(state, "step", None)):
-            _checks.not_donated(state)
+            _inputs.not_donated(state)
         self.calls = calls = self.calls + 1
         if self._announce is not None:
             self._announce(calls)

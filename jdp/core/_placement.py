@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from jdp.core import _layers
 from jdp.distributed import broadcast_for
+from jdp.spmd import layers as _layers
 
 MiB = 2**20
 MARGIN = 0.95   # the compiler's placement is kept when it peaks below this share of by-layer's

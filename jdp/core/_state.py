@@ -15,9 +15,11 @@ import jax
 import numpy as np
 from flax.training import train_state
 
-from jdp.core import _checks, _inflight, _mesh, _storage, forms, layouts, prng_keys
+from jdp.core import _inflight, _options, forms, layouts, prng_keys
 from jdp.distributed import agree, agree_once, broadcast_for, require_job
 from jdp.job import rank as _rank
+from jdp.spmd import mesh as _mesh
+from jdp.spmd import storage as _storage
 
 
 class TrainState(train_state.TrainState):
@@ -86,9 +88,9 @@ def broadcast(tree: Any, *, shard_optimizer: bool = False,
         >>> state["w"].sharding.is_fully_replicated, state["w"].shape
         (True, (3,))
     """
-    shard_optimizer = _checks.bool_options("jdp.broadcast",
+    shard_optimizer = _options.bool_options("jdp.broadcast",
                                            shard_optimizer=shard_optimizer)["shard_optimizer"]
-    shard_params = _checks.shard_params_option(shard_params, who="jdp.broadcast")
+    shard_params = _options.shard_params_option(shard_params, who="jdp.broadcast")
     other = layouts.of(tree, "jdp.broadcast")
     if other is not None:
         raise ValueError(f"jdp.broadcast: the state is in the {other.name} form "
@@ -109,7 +111,7 @@ def _placed(host: Any, shard_optimizer: bool, shard_params: bool) -> Any:
         option = f"shard_params={shard_params!r}" if shard_params else "shard_optimizer=True"
         raise TypeError(f"jdp.broadcast({option}): {type(host).__name__} has no "
                         f"{missing[0]} field; pass the TrainState (jdp.TrainState or flax's)")
-    group = _storage.group_size(shard_params) if shard_params else None
+    group = _options.group_size(shard_params) if shard_params else None
     placed = placed.replace(opt_state=_storage.place_split(host.opt_state, group,
                                                          bool(shard_params)))
     if not shard_params:

@@ -21,82 +21,22 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _dispatch, _grads, _layers, _mesh, _placement, _storage
-from jdp.core._mesh import AXIS
+from jdp.core import _dispatch, _inputs, _options, _placement
 from jdp.distributed import agree_once, require_job
+from jdp.spmd import grads as _grads
+from jdp.spmd import layers as _layers
+from jdp.spmd import mesh as _mesh
+from jdp.spmd import outputs as _outputs
+from jdp.spmd import strategies as _strategies
+from jdp.spmd.mesh import AXIS
 
 
-def reduce_gradients(grads: Any, axis_name: str = AXIS, mean: bool = True,
-                     comm_dtype: Any = None) -> Any:
-    """All-reduce a gradient pytree across devices; call inside `jax.pmap` or `shard_map`.
-
-    DDP's gradient all-reduce as a function (MindSpore's `DistributedGradReducer`), the one
-    `jdp.train_step` uses, for hand-written steps. The whole tree goes in one collective.
-
-    Args:
-        grads: pytree of per-device gradients.
-        axis_name: the mapped axis to reduce over; `jdp.AXIS` inside jdp's steps.
-        mean: average (`lax.pmean`, DDP's default) if True, else sum (`lax.psum`).
-        comm_dtype: send in this dtype (e.g. `jnp.bfloat16`, like DDP's bf16 compression
-            hook) and cast back; the division for the mean happens after, at full precision.
-
-    Returns:
-        The reduced gradients, same structure and dtypes as `grads`.
-
-    Raises:
-        ValueError: a leaf of `grads` is typed as not varying over `axis_name` inside a
-            `jax.shard_map` that checks types (`check_vma=True`, JAX's default): JAX's
-            autodiff has already summed it over the devices (the gradient of parameters
-            replicated over the axis), and reducing it again would give the sum, N times
-            the mean. Mark the parameters varying first (`lax.pcast(params, axis_name,
-            to="varying")`, as `jdp.train_step` does) or use `check_vma=False`.
-
-    Example:
-        >>> import jdp, numpy as np
-        >>> reduce = jax.pmap(lambda g: jdp.reduce_gradients(g, axis_name="i"), axis_name="i")
-        >>> n = jax.local_device_count()
-        >>> float(reduce(np.arange(n, dtype=np.float32))[0]) == (n - 1) / 2
-        True
-    """
-    mean = _checks.bool_options("jdp.reduce_gradients", mean=mean)["mean"]
-    _not_summed_yet(grads, axis_name)
-    if comm_dtype is None:
-        return lax.pmean(grads, axis_name) if mean else lax.psum(grads, axis_name)
-    dtypes = jax.tree.map(lambda g: g.dtype, grads)
-    summed = lax.psum(jax.tree.map(lambda g: g.astype(comm_dtype), grads), axis_name)
-    size = lax.psum(1, axis_name) if mean else 1
-    return jax.tree.map(lambda g, d: g.astype(d) / size if mean else g.astype(d), summed, dtypes)
-
-
-def _not_summed_yet(grads: Any, axis_name: str) -> None:
-    """Refuse gradients that JAX's autodiff already summed over `axis_name` (see
-    `reduce_gradients`), read from the values' types at trace time. Where types are not
-    checked (`jax.pmap`, `shard_map(check_vma=False)`) even `lax.axis_index` does not vary,
-    and nothing can be told: the caller's gradients are taken as per device."""
-    if axis_name not in _checks.varying_axes(lax.axis_index(axis_name)):
-        return
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if axis_name not in _checks.varying_axes(g):
-            raise ValueError(
-                f"jdp.reduce_gradients: gradient {_checks.leaf_name(path)} is already summed "
-                f"over axis {axis_name!r} by JAX's autodiff (inside jax.shard_map with "
-                "check_vma=True, JAX's default, the gradient of parameters replicated over the "
-                "axis comes back summed over its devices, and a mean of that sum is N times "
-                "too large): mark the parameters varying before taking the gradient, "
-                f"params = lax.pcast(params, {axis_name!r}, to='varying'), or pass "
-                "check_vma=False to jax.shard_map")
-
-
-def device_train_step(state, batch, stop, *, grad_reduce, comm_dtype, **options):
-    """What one device does in one step, collectives over `AXIS`: the new state, the
-    metrics, and the agreed stop flag."""
-    grads, field, new_ms, metrics = _grads.device_grads(state, batch, stop, **options)
-    grads = reduce_gradients(grads, mean=grad_reduce == "mean", comm_dtype=comm_dtype)
-    state = state.apply_gradients(grads=grads)
-    if field:
-        state = state.replace(**{field: new_ms})
-    stop = metrics.pop(_grads.STOP)
-    return (state, metrics), stop
+def device_train_step(state, batch, stop, *, options: StepOptions):
+    """What one device does in one step, collectives over `AXIS` (what `jdp.pmap` maps): the
+    replicated strategy's half on this device, the update, and the agreed stop flag."""
+    replicated = _strategies.Replicated(options)
+    grads, new_ms, metrics = replicated.per_device(state, batch, stop)
+    return (replicated.update(state, grads, new_ms), metrics), metrics.pop(_grads.STOP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,25 +59,25 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         who = "jdp.train_step"
-        checked = _checks.train_options(self.grad_reduce, self.accum_steps,
+        checked = _options.train_options(self.grad_reduce, self.accum_steps,
                                         self.model_state_sync, self.max_in_flight,
                                         self.comm_dtype, who=who)
-        _checks.dtype_option("compute_dtype", self.compute_dtype)
-        checked.update(_checks.bool_options(
+        _options.dtype_option("compute_dtype", self.compute_dtype)
+        checked.update(_options.bool_options(
             who, has_aux=self.has_aux, donate=self.donate, shard_optimizer=self.shard_optimizer,
             cast_batch=self.cast_batch))
-        checked["shard_params"] = _checks.shard_params_option(self.shard_params, who)
+        checked["shard_params"] = _options.shard_params_option(self.shard_params, who)
         # np.int64(4) is taken as 4, np.True_ as True: the frozen fields hold the checked values
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        _checks.fsdp_comm_dtype(self.shard_params, self.comm_dtype, self.compute_dtype)
+        _options.fsdp_comm_dtype(self.shard_params, self.comm_dtype, self.compute_dtype)
 
     @property
     def mean(self) -> bool:
         return self.grad_reduce == "mean"
 
     def loss_options(self) -> dict:
-        """The options the gradient functions (`jdp/core/_grads.py`) take."""
+        """The options the gradient functions (`jdp/spmd/grads.py`) take."""
         return {"loss_fn": self.loss_fn, "has_aux": self.has_aux,
                 "accum_steps": self.accum_steps, "model_state_sync": self.model_state_sync}
 
@@ -147,58 +87,26 @@ class StepOptions:
                 if f.name not in ("loss_fn", "max_in_flight")}
 
 
+def strategy(options: StepOptions) -> _strategies.Replicated:
+    """The storage strategy the options ask for (`jdp.spmd.strategies`), `shard_params`
+    resolved to its group of devices (read at trace time: "node" asks the job)."""
+    group = _options.group_size(options.shard_params) if options.shard_params else None
+    return _strategies.of(options, group)
+
+
 def group_gradients(state, batch, stop, *, options: StepOptions):
     """The step's first half: `((grads, new_model_state, metrics), stop)`, the gradients
-    reduced over all of this job's devices and stored as the update takes them (replicated,
-    or split with `shard_optimizer` / `shard_params`).
-
-    Gradients per device inside `shard_map`, reduced there; FSDP and HSDP take theirs at jit
-    level (`_grads.mapped_grads`). `jdp.ft` runs this half, reduces its output across replica
-    groups on the host, and then `apply_update`.
-    """
-    o = options
-    mean, comm_dtype, sharded = o.mean, o.comm_dtype, o.shard_optimizer or o.shard_params
-    master = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), state.params)
-    if o.cast_batch:
-        batch = _storage.cast(batch, o.compute_dtype)
-    if o.shard_params:
-        group = _storage.group_size(o.shard_params)
-        grads, new_ms, metrics = _grads.mapped_grads(
-            state, batch, stop, mean=mean, group=group, comm_dtype=comm_dtype,
-            split_axes=_storage.split_axes(state.params, group), compute_dtype=o.compute_dtype,
-            **o.loss_options())
-        return (grads, new_ms, metrics), metrics.pop(_grads.STOP)
-
-    def per_device(state, batch, stop):
-        params = _storage.cast(state.params, o.compute_dtype)
-        grads, field, new_ms, metrics = _grads.device_grads(
-            state.replace(params=params), batch, stop, **o.loss_options())
-        if field and o.model_state_sync is None:
-            _checks.same_model_state(new_ms, field)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
-        if sharded:
-            return _storage.scatter_gradients(grads, mean, comm_dtype), new_ms, metrics
-        return reduce_gradients(grads, mean=mean, comm_dtype=comm_dtype), new_ms, metrics
-
-    state_spec = jax.tree.map(lambda _: P(), state.replace(opt_state=None))
-    grads, new_ms, metrics = jax.shard_map(
-        per_device, mesh=_mesh.mesh(), in_specs=(state_spec, P(AXIS), P(AXIS)),
-        out_specs=(_storage.grad_specs(master) if sharded else P(), P(), P()))(
-            state.replace(opt_state=None), batch, stop)
+    reduced over all of this job's devices and stored as the update takes them. `jdp.ft`
+    runs this half, reduces its output across replica groups on the host, and then
+    `apply_update`."""
+    grads, new_ms, metrics = strategy(options).gradients(state, batch, stop)
     return (grads, new_ms, metrics), metrics.pop(_grads.STOP)
 
 
 def apply_update(state, grads, new_ms, *, options: StepOptions):
-    """The step's second half: the optimizer update, on the replicated state or, with
-    `shard_optimizer` or `shard_params`, partitioned over the devices (`jdp/core/_storage.py`),
-    and the new model state (BatchNorm statistics) put in its field."""
-    if options.shard_optimizer or options.shard_params:
-        group = _storage.group_size(options.shard_params) if options.shard_params else None
-        state = _storage.apply(state, grads, options.comm_dtype, bool(options.shard_params), group)
-    else:
-        state = state.apply_gradients(grads=grads)
-    field = _grads.model_state_field(state)
-    return state.replace(**{field: new_ms}) if field else state
+    """The step's second half: the optimizer update as the strategy stores the state, and
+    the new model state (BatchNorm statistics) in its field."""
+    return strategy(options).update(state, grads, new_ms)
 
 
 def place_stop(flag: bool) -> jax.Array:
@@ -320,15 +228,16 @@ class TrainStep(_dispatch.Step):
         """The step at jit level: the inputs checked, the gradients reduced over the devices
         (`group_gradients`), then the optimizer update on global arrays (`apply_update`)."""
         self._check_traced()
-        (grads, new_ms, metrics), stop = group_gradients(state, batch, stop, options=self.options)
-        return (apply_update(state, grads, new_ms, options=self.options), metrics), stop
+        layout = strategy(self.options)
+        grads, new_ms, metrics = layout.gradients(state, batch, stop)
+        return (layout.update(state, grads, new_ms), metrics), metrics.pop(_grads.STOP)
 
     def check(self, state: Any, batch: Any) -> None:
         """The inputs of a call that traces: a job, the state placed for these options, a
         global batch that splits into the micro-batches."""
         require_job("jdp.train_step")
-        _checks.placed_state(state, self.options.shard_optimizer, self.options.shard_params)
-        _checks.global_batch(batch, self.options.accum_steps)
+        _inputs.placed_state(state, self.options.shard_optimizer, self.options.shard_params)
+        _inputs.global_batch(batch, self.options.accum_steps)
 
     @functools.cached_property
     def gradients(self) -> _dispatch.Step:
@@ -393,7 +302,7 @@ class _ModelStateCheck:
         first = int(np.asarray(differs.addressable_data(0)))
         if first:
             path = jax.tree_util.tree_flatten_with_path(model_state)[0][first - 1][0]
-            raise _checks.unsynced_model_state(field + jax.tree_util.keystr(path),
+            raise _outputs.unsynced_model_state(field + jax.tree_util.keystr(path),
                                                "came out different on the devices")
 
 
@@ -415,8 +324,8 @@ def device_eval_step(state, batch, stop, *, metric_fn):
     first = jax.tree.leaves(batch)[0]
     mask = batch["mask"] if isinstance(batch, dict) and "mask" in batch else jnp.ones(
         first.shape[0], bool)
-    _checks.per_example(values, mask.shape[0])
-    _checks.boolean_mask(mask)
+    _outputs.per_example(values, mask.shape[0])
+    _outputs.boolean_mask(mask)
     sums = {k: jnp.sum(jnp.where(mask, v, 0), dtype=jnp.float32) for k, v in values.items()}
     sums["count"] = jnp.sum(mask, dtype=jnp.float32)
     totals = lax.psum(sums, AXIS)
@@ -449,7 +358,7 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> _dispatch.Step:
         >>> float(totals["sq"]) / float(totals["count"])
         4.0
     """
-    max_in_flight = _checks.train_options("mean", 1, "mean", max_in_flight,
+    max_in_flight = _options.train_options("mean", 1, "mean", max_in_flight,
                                           who="jdp.eval_step")["max_in_flight"]
     # While the step traces a new input signature, before it can run, the processes agree on
     # the tree metric_fn returns (names, dtypes, per-device shapes): metrics that differ would
@@ -469,9 +378,9 @@ def eval_step(metric_fn: Callable, *, max_in_flight: int = 2) -> _dispatch.Step:
 
     def check(state, batch):
         require_job(who)
-        _checks.placed_state(state, shard_optimizer=None)
+        _inputs.placed_state(state, shard_optimizer=None)
         batch_rows(batch, who)
-        _checks.global_batch(batch, 1)
+        _inputs.global_batch(batch, 1)
 
     return _dispatch.Step(body, check, jax.jit, place_stop, max_in_flight=max_in_flight,
                           train=False, announce=_dispatch.collective_call("eval_step", who, True))
@@ -494,18 +403,18 @@ def _noting(metric_fn: Callable, tree: list) -> Callable:
 def batch_rows(batch: Any, who: str) -> None:
     """An evaluation's batch, said in rows: every leaf has as many, they split evenly over
     all devices, and `batch["mask"]` is one flag a row."""
-    leaves, n = _checks.batch_leaves(batch), jax.device_count()
+    leaves, n = _inputs.batch_leaves(batch), jax.device_count()
     (first, x0), *rest = leaves
     if not jnp.shape(x0):
-        raise ValueError(f"{who}: batch leaf {_checks.leaf_name(first)} is a scalar; a batch "
+        raise ValueError(f"{who}: batch leaf {_outputs.leaf_name(first)} is a scalar; a batch "
                          "holds one row per example: pass arrays [rows, ...] (jdp.shard(rows) "
                          "or a jdp.data.Loader's batches)")
     rows = jnp.shape(x0)[0]
     for path, x in rest:
         if jnp.shape(x)[:1] != (rows,):
-            raise ValueError(f"{who}: batch leaf {_checks.leaf_name(path)} has "
+            raise ValueError(f"{who}: batch leaf {_outputs.leaf_name(path)} has "
                              f"{jnp.shape(x)[0] if jnp.shape(x) else 'no'} rows but "
-                             f"{_checks.leaf_name(first)} has {rows}: every leaf holds one row "
+                             f"{_outputs.leaf_name(first)} has {rows}: every leaf holds one row "
                              "per example")
     if rows % n:
         raise ValueError(f"{who}: the batch has {rows} rows, which do not split evenly over the "

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jdp.core import _mesh
+from jdp.spmd import mesh as _mesh
 
 LOCAL_AXIS = "local_devices"
 """Axis name of the pmap form's placement: on one process a stacked `[8, b]` array and a global

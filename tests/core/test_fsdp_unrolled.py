@@ -19,7 +19,7 @@ from jax import lax
 
 import jdp
 from benchmarks import fsdp_unrolled
-from jdp.core._layers import choose, layer, layer_policy, policy_of
+from jdp.spmd.layers import choose, layer, layer_policy, policy_of
 
 N, L, D, PER = 8, 16, 256, 8   # devices, layers, width, examples per device
 TX = optax.sgd(0.05, momentum=0.9)
@@ -211,7 +211,7 @@ def test_nnx_layer_discovery_sees_only_its_own_trace_and_restores_the_classes():
 
     from flax import nnx
 
-    from jdp.core import _layers_flax
+    from jdp.spmd import layers_flax as _layers_flax
 
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     own_call = nnx.Linear.__dict__["__call__"]
@@ -510,7 +510,7 @@ def test_a_linen_model_applied_with_batchnorm_statistics_gathers_per_layer(monke
     to the compiler and that is said once."""
     import flax.linen as nn
 
-    from jdp.core import _layers
+    from jdp.spmd import layers as _layers
 
     class Block(nn.Module):
         @nn.compact

@@ -25,7 +25,7 @@ import jdp.launch
 import jdp.metrics
 
 # private: the checked spawn arguments and a loss's layer policy have no public name
-from jdp.core._layers import policy_of
+from jdp.spmd.layers import policy_of
 from jdp.launch._spawn import _check as spawn_check
 
 INF, NAN = math.inf, math.nan

@@ -16,8 +16,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.core import _checks, _layers, _layers_flax, _mesh, _rng, _storage
-from jdp.core._mesh import AXIS
+from jdp.spmd import layers as _layers
+from jdp.spmd import layers_flax as _layers_flax
+from jdp.spmd import mesh as _mesh
+from jdp.spmd import outputs as _outputs
+from jdp.spmd import rng as _rng
+from jdp.spmd import storage as _storage
+from jdp.spmd.mesh import AXIS
 
 MODEL_STATE_FIELDS = ("model_state", "batch_stats")
 STOP = "_jdp_stop"  # the preemption flag, carried in the metrics' all-reduce
@@ -49,12 +54,12 @@ def _call_loss(loss_fn, has_aux, params, batch, model_state, rng):
     args = (params, batch) if model_state is None else (params, batch, model_state)
     _rng.check_loss_rng(loss_fn, rng is not None)
     out = loss_fn(*args, rng=rng) if rng is not None else loss_fn(*args)
-    loss, metrics, new_model_state = _checks.loss_output(out, has_aux, model_state is not None)
-    _checks.scalar_loss(loss)
+    loss, metrics, new_model_state = _outputs.loss_output(out, has_aux, model_state is not None)
+    _outputs.scalar_loss(loss)
     if model_state is not None:
-        _checks.new_model_state(model_state, new_model_state, has_aux)
+        _outputs.new_model_state(model_state, new_model_state, has_aux)
     metrics = metrics if isinstance(metrics, dict) else {"aux": metrics}
-    _checks.own_metric_names(metrics, ("loss", STOP, MODEL_STATE_DIFFERS))
+    _outputs.own_metric_names(metrics, ("loss", STOP, MODEL_STATE_DIFFERS))
     return loss, (metrics, new_model_state)
 
 
@@ -76,21 +81,23 @@ def _sync_model_state(model_state: Any, how: str | None) -> Any:
         model_state)
 
 
-def device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_state_sync):
-    """One device's gradient, synced model state and all-reduced metrics (with the stop flag).
+def device_grads(state, batch, stop, *, reduce, loss_fn, has_aux, accum_steps,
+                 model_state_sync, compute_dtype=None):
+    """One device's half of a step, inside `shard_map` (or `jax.pmap`): `(grads,
+    new_model_state, metrics)`, the gradient on this device's slice in the parameters' dtypes
+    and reduced over the devices by `reduce` (the strategy's all-reduce or reduce-scatter),
+    the model state synced, the metrics all-reduced with the stop flag.
 
     The gradient is the mean over k micro-batches, local to the device: no communication in
-    the loop (as DDP's `no_sync`). The model state threads through the micro-batches in order,
-    as k forward passes would update it; the first micro-batch seeds the running sum, so the
-    loop's carry has the per-device type of a gradient from the start. The parameters are
-    marked as varying over the devices first: the gradient of a replicated input inside
-    shard_map would otherwise come back already summed over the devices (the transpose of the
-    implicit broadcast), where jdp reduces it itself.
+    the loop (as DDP's `no_sync`; `accumulate`, the loop every strategy takes). The loss sees
+    the parameters in `compute_dtype`, marked as varying over the devices: the gradient of a
+    replicated input inside shard_map would otherwise come back already summed over the
+    devices (the transpose of the implicit broadcast), where jdp reduces it itself.
     """
     field, k = model_state_field(state), accum_steps
     use_rng = getattr(state, "rng", None) is not None
     grad_of = jax.value_and_grad(functools.partial(_call_loss, loss_fn, has_aux), has_aux=True)
-    params = jax.tree.map(_varying, state.params)
+    params = jax.tree.map(_varying, _storage.cast(state.params, compute_dtype))
     micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
     def once(i, ms):   # loss, metrics, gradient and new model state on micro-batch i
@@ -99,25 +106,50 @@ def device_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
                                                ms, rng)
         return loss, metrics, grads, ms
 
+    grads, new_ms, loss, metrics = accumulate(once, k, getattr(state, field) if field else None)
+    new_ms, metrics = _synced(new_ms, field, model_state_sync, loss, metrics, stop)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    return reduce(grads), new_ms, metrics
+
+
+def accumulate(once, k: int, model_state: Any, zeros: Any = None) -> tuple:
+    """The gradient's mean over k micro-batches, the one loop every strategy takes:
+    `once(i, model_state) -> (loss, metrics, grads, model_state)` on micro-batch i, the model
+    state threaded through in order, as k forward passes would update it, the gradients
+    summed in a `lax.scan`. The sum starts from `zeros`, so every micro-batch runs in the one
+    loop body (FSDP: a micro-batch outside it would place its gathers apart, and raise the
+    peak); without them the first micro-batch seeds it (inside `shard_map` the carry then has
+    a gradient's type, varying over the devices, from the start). Returns (gradients, model
+    state, loss, metrics), the last two averaged over the k."""
+    if k == 1:
+        loss, metrics, grads, model_state = once(0, model_state)
+        return grads, model_state, loss, metrics
+    seed = None
+    if zeros is None:
+        loss, metrics, zeros, model_state = once(0, model_state)
+        seed = (loss, metrics)
+
     def body(carry, i):
         grad_sum, ms = carry
         loss, metrics, grads, ms = once(i, ms)
         return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
 
-    loss, metrics, grads, new_ms = once(0, getattr(state, field) if field else None)
-    if k > 1:
-        (grads, new_ms), (losses, rest) = lax.scan(body, (grads, new_ms), jnp.arange(1, k))
-        grads = jax.tree.map(lambda g: g / k, grads)
-        mean = lambda a, b: (a + b.sum(0)) / k  # noqa: E731
-        loss, metrics = mean(loss, losses), jax.tree.map(mean, metrics, rest)
-    return grads, field, *_synced(new_ms, field, model_state_sync, loss, metrics, stop)
+    first = 0 if seed is None else 1
+    (grads, model_state), outs = lax.scan(body, (zeros, model_state), jnp.arange(first, k))
+    if seed is not None:
+        outs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), seed, outs)
+    loss, metrics = jax.tree.map(lambda x: x.sum(0) / k, outs)
+    return jax.tree.map(lambda g: g / k, grads), model_state, loss, metrics
 
 
 def _synced(new_ms, field, model_state_sync, loss, metrics, stop) -> tuple:
-    """The new model state synced over the devices (`model_state_sync`), and the metrics with
-    the loss and the stop flag, averaged over them."""
+    """The new model state synced over the devices (`model_state_sync`; None: checked to be
+    one value on every device), and the metrics with the loss and the stop flag, averaged
+    over them."""
     if field:
         new_ms = _sync_model_state(new_ms, model_state_sync)
+        if model_state_sync is None:
+            _outputs.same_model_state(new_ms, field)
     metrics = {"loss": loss, **metrics, STOP: jnp.sum(stop).astype(jnp.float32)}
     return new_ms, lax.pmean(jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics), AXIS)
 
@@ -152,7 +184,6 @@ def mapped_grads(state, batch, stop, *, loss_fn, has_aux, accum_steps, model_sta
                                                     comm_dtype, communicates)
     else:
         grads, ms, losses, metrics = loop(state.params, _flat_map(AXIS))
-    grads = jax.tree.map(lambda g: g / k, grads) if k > 1 else grads
     metrics = {"loss": losses, **(metrics if isinstance(metrics, dict) else {"aux": metrics})}
     metrics = jax.tree.map(lambda m: jnp.mean(jnp.asarray(m, jnp.float32)), metrics)
     metrics[STOP] = jnp.sum(stop).astype(jnp.float32) / n
@@ -181,9 +212,10 @@ def _first_differing_leaf(ms: Any) -> jax.Array:
 
 def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, scale,
                  compute_dtype):
-    """The gradient of the devices' summed loss with respect to `params`, summed over the k
-    micro-batches, the devices mapped by `device_map` (`_flat_map` or `_grouped_map`).
-    Returns (gradients, model states `[n, ...]`, losses `[k, n]`, metrics `[k, n, ...]`)."""
+    """The gradient of the devices' summed loss with respect to `params`, averaged over the k
+    micro-batches (`accumulate`), the devices mapped by `device_map` (`_flat_map` or
+    `_grouped_map`). Returns (gradients, model states `[n, ...]`, losses `[n]`, metrics
+    `[n, ...]`), the last two each device's mean over the micro-batches."""
     mapped, axes, gathered = device_map
     use_rng = getattr(state, "rng", None) is not None
 
@@ -204,15 +236,12 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
     first = jax.tree.map(lambda x: x[0], micro)
     found = _layers_flax.find(loss_fn, lambda: total(params, first, ms, 0))
 
-    def body(carry, i):
-        grad_sum, ms = carry
+    def once(i, ms):
         b = jax.tree.map(lambda x: x[i], micro)
         grads, (loss, metrics, ms) = jax.grad(total, has_aux=True)(params, b, ms, i)
-        return (jax.tree.map(jnp.add, grad_sum, grads), ms), (loss, metrics)
+        return loss, metrics, grads, ms
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, ms), (losses, metrics) = lax.scan(body, (zeros, ms), jnp.arange(k))
-    return grads, ms, losses, metrics
+    return accumulate(once, k, ms, zeros=jax.tree.map(jnp.zeros_like, params))
 
 
 def _flat_map(spmd_axes, group=None):
@@ -256,7 +285,7 @@ def _grouped_grads(loop, params, axes, group, comm_dtype, communicates):
     (and `comm_dtype` must then be the compute dtype).
     """
     if communicates():
-        _checks.hsdp_loss_collectives(comm_dtype, group)
+        _outputs.hsdp_loss_collectives(comm_dtype, group)
         return loop(params, _flat_map((_mesh.REPLICA, _mesh.SHARD), group))
     groups = _mesh.mesh().size // group
     each = functools.partial(jax.tree.map, is_leaf=lambda a: a is None)  # over `axes` first

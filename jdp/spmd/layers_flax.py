@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.core import _layers
+from jdp.spmd import layers as _layers
 
 
 def find(loss_fn: Callable, trace: Callable[[], Any]) -> tuple[frozenset, frozenset]:

@@ -19,8 +19,8 @@ would. The updates are all-gathered (in `comm_dtype` when given) and added to th
 parameters. Gradients are never whole after the reduction, so this is ZeRO-2's gradient
 sharding too.
 
-With the parameters split as well (`shard_params`), the step (`jdp/core/_grads.py`'s
-`mapped_grads`) leaves the gathers to the compiler, or to `jdp/core/_layers.py` layer by
+With the parameters split as well (`shard_params`), the step (`jdp/spmd/grads.py`'s
+`mapped_grads`) leaves the gathers to the compiler, or to `jdp/spmd/layers.py` layer by
 layer; the update runs on the split arrays and the parameters stay split, never whole outside
 the step. HSDP (`shard_params=k` or "node") splits the same way within groups of k consecutive
 devices (`_mesh.group_mesh`), replicated across them; its step (`_grads._grouped_grads`)
@@ -36,26 +36,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jdp.core import _mesh
-from jdp.core._mesh import AXIS
-from jdp.distributed import devices_per_node
-
-
-def group_size(shard_params: Any) -> int | None:
-    """The devices one parameter is split over for a `shard_params` value: None for all of
-    them (True), `k` for groups of k consecutive devices, a node's devices for "node"
-    (this process's devices x the processes per node); refused otherwise."""
-    n = _mesh.mesh().size
-    k = shard_params.item() if isinstance(shard_params, np.generic) else shard_params
-    if k == "node":
-        k = devices_per_node()
-    if k is True:
-        return None
-    if isinstance(k, bool) or not isinstance(k, int) or k < 2 or n % k:
-        raise ValueError(f"shard_params={shard_params!r}: expected True (all {n} devices), "
-                         f"\"node\", or an int >= 2 that divides the device count {n} (HSDP: "
-                         "groups of that many consecutive devices)")
-    return None if k == n else k
+from jdp.spmd import mesh as _mesh
+from jdp.spmd.mesh import AXIS
 
 
 def ways(group: int | None) -> int:

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.core import _mesh, _storage
 from jdp.job import values
+from jdp.spmd import mesh as _mesh
+from jdp.spmd import storage as _storage
 
 
 class _Gathering(NamedTuple):
