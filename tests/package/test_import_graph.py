@@ -173,6 +173,17 @@ def test_the_jobs_contract_is_the_bottom_floor_and_the_launcher_is_on_top():
     assert levels["job"] == max(levels.values()), levels
 
 
+def test_the_spmd_floor_sits_below_the_step_floor_and_imports_no_job():
+    """The step's math (`jdp.spmd`) imports nothing of jdp but the job contract's value checks
+    (standard library, no job state), so it runs and is tested without a job; the step floor
+    (`jdp.core`) builds on it."""
+    found = edges()
+    from_spmd = [e for e in found if e.src == "spmd" and e.what != "jdp.job.values"]
+    assert from_spmd == [], "jdp.spmd imports above its floor: " + describe(from_spmd)
+    levels = floors(found)
+    assert levels["spmd"] > levels["core"], levels
+
+
 def test_the_checker_names_a_circle_and_a_private_import(tmp_path):
     """The checks above would see a violation: a made-up package with both, named edge by edge."""
     root = tmp_path / "jdp"
