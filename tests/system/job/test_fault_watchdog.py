@@ -92,21 +92,18 @@ def test_spawn_raises_timeout_error_naming_the_stuck_rank(tagged):
     assert elapsed < 60
 
 
-def test_record_costs_well_under_a_microsecond_per_call(tmp_path, monkeypatch):
+def test_record_writes_every_calls_step_and_phase_into_the_slot(tmp_path, monkeypatch):
+    """What each call leaves in the slot (its cost per call is `make bench`'s progress table,
+    not a timed assertion here)."""
     slot = tmp_path / "slot"
     slot.write_bytes(bytes(_progress.SLOT_SIZE))
     monkeypatch.setenv("JDP_PROGRESS_FILE", str(slot))
     progress = _progress.Progress()   # a rank's progress of its own, mapping the slot file
     progress.record("eval", 7)
     assert _progress.read_slot(str(slot))[1:] == (7, "eval")
-    n = 100_000
-    start = time.perf_counter()
-    for _ in range(n):
-        progress.record("step", 8)
-    per_call = (time.perf_counter() - start) / n
-    print(f"record: {per_call * 1e6:.2f} us per call")
-    assert per_call < 5e-6
-    assert _progress.read_slot(str(slot))[1:] == (8, "step")
+    for step in range(8, 1_000):
+        progress.record("step", step)
+    assert _progress.read_slot(str(slot))[1:] == (999, "step")
 
 
 def test_describe_names_the_ranks_behind_and_groups_the_others():
