@@ -106,7 +106,8 @@ def device_grads(state, batch, stop, *, reduce, loss_fn, has_aux, accum_steps,
                                                ms, rng)
         return loss, metrics, grads, ms
 
-    grads, new_ms, loss, metrics = accumulate(once, k, getattr(state, field) if field else None)
+    grads, new_ms, losses, metrics = accumulate(once, k, getattr(state, field) if field else None)
+    loss, metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), (losses, metrics))
     new_ms, metrics = _synced(new_ms, field, model_state_sync, loss, metrics, stop)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
     return reduce(grads), new_ms, metrics
@@ -119,11 +120,12 @@ def accumulate(once, k: int, model_state: Any, zeros: Any = None) -> tuple:
     summed in a `lax.scan`. The sum starts from `zeros`, so every micro-batch runs in the one
     loop body (FSDP: a micro-batch outside it would place its gathers apart, and raise the
     peak); without them the first micro-batch seeds it (inside `shard_map` the carry then has
-    a gradient's type, varying over the devices, from the start). Returns (gradients, model
-    state, loss, metrics), the last two averaged over the k."""
+    a gradient's type, varying over the devices, from the start). Returns (gradients averaged
+    over the k, model state, losses `[k, ...]`, metrics `[k, ...]`), the last two stacked:
+    each caller averages them with whatever else it averages over."""
     if k == 1:
         loss, metrics, grads, model_state = once(0, model_state)
-        return grads, model_state, loss, metrics
+        return grads, model_state, *jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, metrics))
     seed = None
     if zeros is None:
         loss, metrics, zeros, model_state = once(0, model_state)
@@ -138,8 +140,7 @@ def accumulate(once, k: int, model_state: Any, zeros: Any = None) -> tuple:
     (grads, model_state), outs = lax.scan(body, (zeros, model_state), jnp.arange(first, k))
     if seed is not None:
         outs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), seed, outs)
-    loss, metrics = jax.tree.map(lambda x: x.sum(0) / k, outs)
-    return jax.tree.map(lambda g: g / k, grads), model_state, loss, metrics
+    return jax.tree.map(lambda g: g / k, grads), model_state, *outs
 
 
 def _synced(new_ms, field, model_state_sync, loss, metrics, stop) -> tuple:
@@ -214,8 +215,8 @@ def _mapped_loop(state, micro, ms, params, device_map, *, loss_fn, has_aux, k, s
                  compute_dtype):
     """The gradient of the devices' summed loss with respect to `params`, averaged over the k
     micro-batches (`accumulate`), the devices mapped by `device_map` (`_flat_map` or
-    `_grouped_map`). Returns (gradients, model states `[n, ...]`, losses `[n]`, metrics
-    `[n, ...]`), the last two each device's mean over the micro-batches."""
+    `_grouped_map`). Returns (gradients, model states `[n, ...]`, losses `[k, n]`, metrics
+    `[k, n, ...]`)."""
     mapped, axes, gathered = device_map
     use_rng = getattr(state, "rng", None) is not None
 

@@ -24,9 +24,9 @@ import jdp.ft.lighthouse
 import jdp.launch
 import jdp.metrics
 
-# private: the checked spawn arguments and a loss's layer policy have no public name
-from jdp.spmd.layers import policy_of
+# private: the checked spawn arguments have no public name
 from jdp.launch._spawn import _check as spawn_check
+from jdp.spmd.layers import policy_of
 
 INF, NAN = math.inf, math.nan
 

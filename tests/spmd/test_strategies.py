@@ -99,8 +99,9 @@ def test_each_strategy_called_alone_trains_as_one_device_on_the_global_batch(kin
 
 
 def test_the_one_accumulation_loop_averages_its_micro_batches_and_threads_the_state():
-    """`grads.accumulate` directly: gradient and metrics the mean over the k micro-batches,
-    the model state passed through them in order, seeded or from zeros alike."""
+    """`grads.accumulate` directly: the gradient the mean over the k micro-batches, the model
+    state passed through them in order, each one's loss and metrics stacked, seeded or from
+    zeros alike."""
     from jdp.spmd import grads
 
     values = jnp.arange(1.0, 5.0)
@@ -110,8 +111,8 @@ def test_the_one_accumulation_loop_averages_its_micro_batches_and_threads_the_st
         return values[i], {"m": values[i] * 10}, g, count + 1
 
     for zeros in (None, {"w": jnp.zeros(())}):
-        g, count, loss, metrics = grads.accumulate(once, 4, jnp.int32(0), zeros=zeros)
+        g, count, losses, metrics = grads.accumulate(once, 4, jnp.int32(0), zeros=zeros)
         assert float(g["w"]) == pytest.approx(5.0)      # mean of 2, 4, 6, 8
         assert int(count) == 4
-        assert float(loss) == pytest.approx(2.5)
-        assert float(metrics["m"]) == pytest.approx(25.0)
+        np.testing.assert_array_equal(losses, values)   # each micro-batch's, in order
+        np.testing.assert_array_equal(metrics["m"], values * 10)
