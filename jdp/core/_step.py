@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdp.core import _dispatch, _inputs, _options, _placement
 from jdp.distributed import agree_once, require_job
+from jdp.job import run
 from jdp.spmd import grads as _grads
 from jdp.spmd import layers as _layers
 from jdp.spmd import mesh as _mesh
@@ -58,19 +59,28 @@ class StepOptions:
     cast_batch: bool = True
 
     def __post_init__(self) -> None:
-        who = "jdp.train_step"
+        try:
+            checked = self._checked("jdp.train_step")
+        except (TypeError, ValueError) as e:
+            # every process makes the same step and refuses it alike: process 0, which holds
+            # the job's coordination, lets the others print theirs before it leaves
+            raise run.shared(e) from None
+        # np.int64(4) is taken as 4, np.True_ as True: the frozen fields hold the checked values
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    def _checked(self, who: str) -> dict:
+        """The options checked (`_options`), as the step uses them."""
         checked = _options.train_options(self.grad_reduce, self.accum_steps,
-                                        self.model_state_sync, self.max_in_flight,
-                                        self.comm_dtype, who=who)
+                                         self.model_state_sync, self.max_in_flight,
+                                         self.comm_dtype, who=who)
         _options.dtype_option("compute_dtype", self.compute_dtype)
         checked.update(_options.bool_options(
             who, has_aux=self.has_aux, donate=self.donate, shard_optimizer=self.shard_optimizer,
             cast_batch=self.cast_batch))
         checked["shard_params"] = _options.shard_params_option(self.shard_params, who)
-        # np.int64(4) is taken as 4, np.True_ as True: the frozen fields hold the checked values
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
-        _options.fsdp_comm_dtype(self.shard_params, self.comm_dtype, self.compute_dtype)
+        _options.fsdp_comm_dtype(checked["shard_params"], self.comm_dtype, self.compute_dtype)
+        return checked
 
     @property
     def mean(self) -> bool:

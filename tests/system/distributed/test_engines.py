@@ -231,6 +231,38 @@ def test_each_engine_says_how_many_processes_share_a_node(env, count):
     assert processes_per_node(env) == count
 
 
+BAD_OPTION = """
+import sys, time
+import jdp
+jdp.initialize()
+report = sys.excepthook   # jdp's
+def slowly(*exc):   # process 1 is slow to report its error, as on a loaded machine
+    time.sleep(0.5 * jdp.process_index())
+    report(*exc)
+sys.excepthook = slowly
+jdp.train_step(lambda params, batch: 0.0, accum_steps=0)
+print("NOT REFUSED")
+"""
+
+
+def test_a_bad_step_option_every_process_gives_is_a_one_line_error_on_each(tmp_path):
+    """Every process makes the same step, so each refuses the same bad option at once: none
+    ends the job before another, slow to report, has printed its own one line."""
+    from conftest import write_script
+    script = write_script(tmp_path, "bad_option.py", BAD_OPTION)
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, script], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=child_env(1, JAX_COORDINATOR_ADDRESS=address,
+                                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(r)))
+             for r in (0, 1)]
+    logs = finish(procs, 120)
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 1 and "NOT REFUSED" not in log, log
+        error = log.strip().splitlines()[-1]
+        assert error.startswith("ValueError: ") and "accum_steps=0" in error, log
+
+
 UNEQUAL = """
 import sys, time
 import numpy as np, optax, jdp
