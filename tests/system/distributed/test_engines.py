@@ -231,39 +231,7 @@ def test_each_engine_says_how_many_processes_share_a_node(env, count):
     assert processes_per_node(env) == count
 
 
-BAD_OPTION = """
-import sys, time
-import jdp
-jdp.initialize()
-report = sys.excepthook   # jdp's
-def slowly(*exc):   # process 1 is slow to report its error, as on a loaded machine
-    time.sleep(0.5 * jdp.process_index())
-    report(*exc)
-sys.excepthook = slowly
-jdp.train_step(lambda params, batch: 0.0, accum_steps=0)
-print("NOT REFUSED")
-"""
-
-
-def test_a_bad_step_option_every_process_gives_is_a_one_line_error_on_each(tmp_path):
-    """Every process makes the same step, so each refuses the same bad option at once: none
-    ends the job before another, slow to report, has printed its own one line."""
-    from conftest import write_script
-    script = write_script(tmp_path, "bad_option.py", BAD_OPTION)
-    address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, script], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=child_env(1, JAX_COORDINATOR_ADDRESS=address,
-                                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(r)))
-             for r in (0, 1)]
-    logs = finish(procs, 120)
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 1 and "NOT REFUSED" not in log, log
-        error = log.strip().splitlines()[-1]
-        assert error.startswith("ValueError: ") and "accum_steps=0" in error, log
-
-
-UNEQUAL = """
+SLOW_TO_REPORT = """
 import sys, time
 import numpy as np, optax, jdp
 jdp.initialize()
@@ -272,11 +240,42 @@ def slowly(*exc):   # process 1 is slow to report its error, as on a loaded mach
     time.sleep(0.5 * jdp.process_index())
     report(*exc)
 sys.excepthook = slowly
+"""
+BAD_OPTION = """
+jdp.train_step(lambda params, batch: 0.0, accum_steps=0)
+print("NOT REFUSED")
+"""
+UNEQUAL = """
 state = jdp.TrainState.create(apply_fn=None, params={"w": np.zeros((4, 8, 8), np.float32)},
                               tx=optax.sgd(0.1))
 jdp.broadcast(state, shard_params="node")
 print("NOT REFUSED")
 """
+
+
+def each_refuses(tmp_path, body: str, words: list, devices=(1, 1), local_sizes=None) -> None:
+    """Two processes run `body` (process 1 slow to report an error) and each exits 1 with
+    a one-line ValueError holding `words`: none ends the job before the other has said it."""
+    from conftest import write_script
+    script = write_script(tmp_path, "refused.py", SLOW_TO_REPORT + body)
+    address = f"127.0.0.1:{free_port()}"
+    sizes = {} if local_sizes is None else {"OMPI_COMM_WORLD_LOCAL_SIZE": local_sizes}
+    procs = [subprocess.Popen([sys.executable, script], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=child_env(devices[r], JAX_COORDINATOR_ADDRESS=address,
+                                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(r),
+                                            **{k: v[r] for k, v in sizes.items()}))
+             for r in (0, 1)]
+    logs = finish(procs, 120)
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 1 and "NOT REFUSED" not in log, log
+        error = log.strip().splitlines()[-1]
+        assert error.startswith("ValueError: ") and all(w in error for w in words), log
+
+
+def test_a_bad_step_option_every_process_gives_is_a_one_line_error_on_each(tmp_path):
+    """Every process makes the same step, so each refuses the same bad option at once."""
+    each_refuses(tmp_path, BAD_OPTION, ["accum_steps=0"])
 
 
 @pytest.mark.parametrize("devices, local_sizes, words", [
@@ -290,17 +289,4 @@ def test_processes_of_unequal_devices_or_nodes_are_a_one_line_error_on_each(
     """Processes with different device counts cannot share one data mesh, and nodes of
     different sizes cannot split a model alike: each process says so, none hangs, and
     process 0 does not end the job before process 1, slow to report, has said it too."""
-    from conftest import write_script
-    script = write_script(tmp_path, "unequal.py", UNEQUAL)
-    address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, script], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=child_env(devices[r], JAX_COORDINATOR_ADDRESS=address,
-                                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(r),
-                                            OMPI_COMM_WORLD_LOCAL_SIZE=local_sizes[r]))
-             for r in (0, 1)]
-    logs = finish(procs, 120)
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 1 and "NOT REFUSED" not in log, log
-        error = log.strip().splitlines()[-1]
-        assert error.startswith("ValueError: ") and all(w in error for w in words), log
+    each_refuses(tmp_path, UNEQUAL, words, devices, local_sizes)
