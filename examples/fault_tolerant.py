@@ -1,10 +1,9 @@
 """Keep training through a failure: 3 replica groups on torchft (docs/faults.md).
 
 A 2-layer MLP learns a noisy linear map. Each replica group is its own jdp job (here 1
-process x 2 CPU devices); the groups sum their gradients once a step over torchft, the loop
-one call (`replicas.train`: each step's quorum, batch and attempt). Kill any group's process
-and the others go on after one discarded step; its launcher restarts it and it heals from a
-live peer. Needs the `ft` extra (pip install 'jdp[ft]').
+process x 2 CPU devices); the groups sum their gradients once a step over torchft. Kill any
+group's process and the others go on after one discarded step; its launcher restarts it and it
+heals from a live peer. Needs the `ft` extra (pip install 'jdp[ft]').
 
     python -m jdp.launch --nproc_per_node 1 --devices_per_process 2 --max_restarts 5 \\
         --replica_group 0 --replica_groups 3 --ft_lighthouse start examples/fault_tolerant.py &
@@ -122,14 +121,17 @@ def main(argv=None) -> None:
     streaming = {"fragments": args.fragments, "overlap": args.overlap} if args.sync_every else {}
     with jdp.ft.Replicas(state, loader, sync_every=args.sync_every, outer=outer_optimizer(args),
                          **streaming) as replicas:
-        began = time.perf_counter()
-        for _, metrics in replicas.train(loss, args.steps, **options, **layout):
+        # The loop's two halves (`replicas.train` is the same loop in one call): here the
+        # pacing times the step alone, as a model's compute would take, the quorum before it
+        step = replicas.train_step(loss, **options, **layout)
+        for batch in replicas.batches(args.steps):
+            began = time.perf_counter()
+            state, metrics = step(state, batch)
             done = replicas.inner_steps if args.sync_every else replicas.step
             if replicas.committed and done % 50 == 0:
                 jdp.print0(f"step {done}: loss {float(metrics['loss']):.4f} with "
                            f"groups {replicas.groups}")
             time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
-            began = time.perf_counter()
         state = replicas.state
     params = jax.tree.map(np.asarray, jdp.unshard(state.params))   # every process: a gather
     if args.out and jax.process_index() == 0:
