@@ -1,12 +1,10 @@
 """The data-parallel train and eval steps on global arrays: one device's step on every device.
 
 `train_step` turns `loss_fn(params, batch)` into a step over all devices of all processes:
-inside `jax.shard_map` over `jdp.mesh()` each device takes the gradient on its slice of the
-batch and one all-reduce (`lax.pmean`, or `lax.psum`) combines them; the optimizer update then
-runs at jit level on the replicated (or, with ZeRO, sharded) state. FSDP's step runs the
-devices' losses under `jax.vmap` instead, so the compiler places the parameters' gathers (one
-scanned layer at a time). The per-device functions here (`device_train_step`,
-`device_eval_step`) are also what `jdp.pmap` maps.
+the step object checks, agrees and dispatches; what it computes is the two halves of the
+storage strategy its options ask for (`jdp.spmd.strategies`: replicated, ZeRO, FSDP, HSDP).
+The per-device functions here (`device_train_step`, `device_eval_step`) are also what
+`jdp.pmap` maps.
 """
 from __future__ import annotations
 
@@ -235,8 +233,9 @@ class TrainStep(_dispatch.Step):
                          after=_model_state_check(options, whole=True))
 
     def _traced(self, state: Any, batch: Any, stop: Any) -> Any:
-        """The step at jit level: the inputs checked, the gradients reduced over the devices
-        (`group_gradients`), then the optimizer update on global arrays (`apply_update`)."""
+        """The step at jit level: the inputs checked, then the two halves of the options'
+        strategy (`strategy`): the gradients reduced over the devices, the optimizer update
+        on global arrays (`group_gradients` and `apply_update` are the same halves apart)."""
         self._check_traced()
         layout = strategy(self.options)
         grads, new_ms, metrics = layout.gradients(state, batch, stop)

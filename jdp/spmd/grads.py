@@ -3,7 +3,8 @@
 The user's loss called in its one documented form, its gradient over k micro-batches (no
 communication inside the loop, as DDP's `no_sync`), the model state (BatchNorm statistics)
 threaded through and synced, and the metrics all-reduced with jdp's stop flag riding along.
-`jdp.core._step` runs this on every device inside `jax.shard_map`, `jdp.pmap` under `jax.pmap`.
+`jdp.spmd.strategies` runs `device_grads` on every device inside `jax.shard_map` (`jdp.pmap`
+under `jax.pmap`), and FSDP's and HSDP's `mapped_grads` at jit level.
 """
 from __future__ import annotations
 
