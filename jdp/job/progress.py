@@ -120,8 +120,7 @@ class Progress:
         """(progress count, steps run or -1, phase) as last recorded; None without a slot."""
         if not isinstance(self.slot, mmap.mmap):
             return None
-        count, step, code, _ = HEAD.unpack_from(self.slot)
-        return count, step, PHASES[code] if code < len(PHASES) else "other"
+        return _head(*HEAD.unpack_from(self.slot)[:3])
 
     def finished(self) -> None:
         """At exit: this rank's own code is done (a peer still in a step will wait for it)."""
@@ -142,9 +141,16 @@ def slot_bytes(path: str, size: int) -> bytes | None:
 def read_slot(path: str) -> tuple[int, int, str] | None:
     """(progress count, steps run or -1, phase) from a slot file; None if unreadable."""
     data = slot_bytes(path, SLOT.size)
-    if data is None:
-        return None
-    count, step, code = SLOT.unpack(data)
+    return None if data is None else _head(*SLOT.unpack(data))
+
+
+def _head(count: int, step: int, code: int) -> tuple[int, int, str]:
+    """(count, steps run, phase) of a slot's head. A slot nothing was recorded in yet is all
+    zeros (the supervisor's fresh file, an anonymous map): it has run no step (-1), not step
+    0, or a peer asking where a slow starter is would think it went past a call it has not
+    reached yet."""
+    if not count:
+        return 0, -1, "start"
     return count, step, PHASES[code] if code < len(PHASES) else "other"
 
 

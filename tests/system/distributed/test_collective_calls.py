@@ -2,6 +2,7 @@
 named on every process within seconds (exit code nonzero, no SIGABRT), whichever process skips
 it (process 0, which holds the coordination service, or another) and with 2 or 3 processes.
 Calls documented as local (`Checkpointer(...)`, `latest_step()`) run on one process alone.
+A process slow to reach a call, before it ran any step, is waited for, not named.
 
 Each case trains an epoch (4 steps), then every process but `skipper` makes the call (the
 PyTorch habit `if rank == 0:` inverted, so that process 0 can be the one that skips), then
@@ -91,3 +92,30 @@ def test_local_calls_run_on_one_process_alone(tmp_path, tag):
     launcher, out, err, _ = run(tmp_path, tag, "latest_step", 2, 1)
     assert launcher.returncode == 0, err
     assert out.count("FINISHED") == 2 and out.count("LATEST None") == 1, out
+
+
+SLOW_STARTER = """
+    import time
+    import jax, jax.numpy as jnp
+    import jdp
+    from jdp.distributed import _agree
+
+    jdp.initialize()
+    if jax.process_index() == 1:   # slow to start (a restart under load): asked where it is
+        time.sleep(_agree.ANNOUNCE_S + 3)
+    state = jdp.broadcast({"w": jnp.arange(3.0) * (1 + jax.process_index())})
+    print("BROADCAST", [float(v) for v in jax.device_get(state["w"])], flush=True)
+"""
+
+
+def test_a_process_slow_to_reach_its_first_call_is_waited_for_not_named(tmp_path, tag):
+    """Before its first step a process's progress slot is all zeros: it has run no step.
+    (It read as step 0, so a peer that waited over ANNOUNCE_S in the first jdp.broadcast
+    named it as having gone past the call: a restarted job died on a slow start.)"""
+    script = write_script(tmp_path, "slow.py", SLOW_STARTER)
+    launcher = start_launcher(["--nproc_per_node", 2, "--devices_per_process", 1, script],
+                              env=job_env(tag))
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, err
+    assert out.count("BROADCAST [0.0, 1.0, 2.0]") == 2, out
+    assert "has waited" in err and "skipped" not in err, err

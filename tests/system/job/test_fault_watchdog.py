@@ -106,6 +106,22 @@ def test_record_writes_every_calls_step_and_phase_into_the_slot(tmp_path, monkey
     assert _progress.read_slot(str(slot))[1:] == (999, "step")
 
 
+def test_a_slot_nothing_was_recorded_in_has_run_no_step(tmp_path, monkeypatch):
+    """The supervisor's fresh slot is all zeros, as is a rank's own map: step -1, not 0."""
+    slot = tmp_path / "slot"
+    slot.write_bytes(bytes(_progress.SLOT_SIZE))
+    monkeypatch.setenv("JDP_PROGRESS_FILE", str(slot))
+    progress = _progress.Progress()
+    progress.open()
+    assert progress.current() == (0, -1, "start")
+    assert _progress.read_slot(str(slot)) == (0, -1, "start")
+    in_memory = _progress.Progress()
+    in_memory.memory_slot()
+    assert in_memory.current() == (0, -1, "start")
+    progress.record("step", 0)
+    assert progress.current() == (1, 0, "step") == _progress.read_slot(str(slot))
+
+
 def test_describe_names_the_ranks_behind_and_groups_the_others():
     P = _watchdog.RankProgress
     text = _watchdog.describe([P(0, 6, "step"), P(1, 5, "data"), P(2, 6, "step"),
