@@ -69,7 +69,8 @@ class Variant(NamedTuple):
 def build(name: str, per_device: int) -> Variant:
     """A variant's step, its placed state and a fixed random batch."""
     ex = example(max_pool=name == "maxpool")
-    v = ex.CNN().init(jax.random.key(0), jnp.zeros((1, 28, 28, 1), jnp.uint8), train=False)
+    v = jax.jit(ex.CNN().init, static_argnames="train")(
+        jax.random.key(0), jnp.zeros((1, 28, 28, 1), jnp.uint8), train=False)
     state = jdp.TrainState.create(apply_fn=ex.CNN().apply, params=v["params"],
                                   tx=optax.sgd(0.05, momentum=0.9), model_state=v["batch_stats"])
     rng, size = np.random.default_rng(jax.process_index()), per_device * jax.local_device_count()

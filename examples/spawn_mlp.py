@@ -43,7 +43,8 @@ def main(rank: int, args: argparse.Namespace) -> None:
     source = example_data.load(args.dataset, "train", data_dir=args.data_dir)
     sampler = jdp.data.DistributedSampler(len(source), shuffle=True, seed=args.seed)
     loader = jdp.data.Loader(source, args.batch_size, sampler=sampler, drop_last=True)
-    params = MLP().init(jax.random.key(args.seed), np.zeros((1, 28, 28, 1), np.uint8))["params"]
+    init = jax.jit(MLP().init)   # one compiled program, not one per initializer's op
+    params = init(jax.random.key(args.seed), np.zeros((1, 28, 28, 1), np.uint8))["params"]
     state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params,
                                                 tx=optax.adam(args.lr)))
     step = jdp.train_step(nll_loss)

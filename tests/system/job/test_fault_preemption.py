@@ -145,23 +145,24 @@ MNIST = [os.path.join(REPO, "examples", "mnist.py"), "--dataset", "digits", "--e
          "--quiet"]
 
 
-def final_params(ckpt_dir) -> list:
-    """Leaves of the newest checkpoint's parameters, restored in a fresh process."""
+def final_params(*ckpt_dirs) -> list:
+    """For each directory, the leaves of its newest checkpoint's parameters, restored in one
+    fresh process."""
     code = f"""
 import json, sys, numpy as np, jax
 sys.path.insert(0, {os.path.join(REPO, 'examples')!r})
 import jdp, mnist
-state = jdp.replicate(mnist.create_train_state(0, 0.05, 10))
-ckpt = jdp.checkpoint.Checkpointer({str(ckpt_dir)!r})
-state = ckpt.restore(state)
-print(json.dumps([np.asarray(x).ravel().tolist() for x in
-                  jax.tree.leaves(jdp.unreplicate(state).params)]))
+template = jdp.replicate(mnist.create_train_state(0, 0.05, 10))
+for ckpt_dir in {[str(d) for d in ckpt_dirs]!r}:
+    state = jdp.checkpoint.Checkpointer(ckpt_dir).restore(template)
+    print(json.dumps([np.asarray(x).ravel().tolist() for x in
+                      jax.tree.leaves(jdp.unreplicate(state).params)]))
 """
     from conftest import child_env
     done = subprocess.run([sys.executable, "-c", code], env=child_env(devices=2), cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.splitlines()[-len(ckpt_dirs):]]
 
 
 def test_mnist_preempted_mid_epoch_resumes_bitwise(tmp_path, tag):
@@ -184,4 +185,5 @@ def test_mnist_preempted_mid_epoch_resumes_bitwise(tmp_path, tag):
     resumed = start_launcher([*launch, *MNIST, "--checkpoint-dir", ckpt], job_env(tag))
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
-    assert final_params(ckpt) == final_params(tmp_path / "straight")
+    preempted, straight = final_params(ckpt, tmp_path / "straight")
+    assert preempted == straight
