@@ -124,16 +124,23 @@ def goodput_run(make, root: str, size: dict, kill: bool, seed: int = 0) -> dict:
                  if kill else [])
         time.sleep(max(0.0, start + size["duration"] - time.time()) + 1.0)
         steps, batches = work(job, start, start + size["duration"])
-        if len(job.events) > 1 and kills:   # a group killed late in the window heals after it
-            try:
-                wait_for(lambda: all(s["heal_s"] is not None for s in stalls(job, kills)),
-                         HEAL_WAIT_S, "heal of every killed group")
-            except TimeoutError:
-                pass   # its row says "none": it did not come back
         return {"steps": steps, "batches": batches,
-                "kills": stalls(job, kills) if len(job.events) > 1 else kills}
+                "kills": healed(job, kills) if len(job.events) > 1 and kills else kills}
     finally:
         stop(job)
+
+
+def healed(job: Job, kills: list) -> list:
+    """`stalls(job, kills)` once every killed group has healed (a group killed late in the
+    window heals after it), or as they are after HEAL_WAIT_S: a group that did not come back
+    keeps no heal ("none")."""
+    def rows():
+        found = stalls(job, kills)
+        return found if all(k["heal_s"] is not None for k in found) else None
+    try:
+        return wait_for(rows, HEAL_WAIT_S, "heal of every killed group")
+    except TimeoutError:
+        return stalls(job, kills)
 
 
 def goodput(root: str, size: dict) -> dict:
