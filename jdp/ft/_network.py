@@ -2,8 +2,9 @@
 
 `JDP_FT_NETWORK="GBIT,LATENCY"` (e.g. "1,0.01": 1 Gbit/s and 10 ms) holds each cross-group
 all-reduce's result until a ring all-reduce of its bytes would have finished on such a link:
-LATENCY + 2 (n - 1) / n x bytes x 8 / GBIT x 1e9 seconds after it began, for n groups. A
-result read later waits only for what is left, so work overlapped with it hides it as it
+LATENCY + 2 (n - 1) / n x bytes x 8 / GBIT x 1e9 seconds after it began, for n groups; and
+each quorum until LATENCY after it was asked for (its round trip to a Lighthouse as far away).
+A result read later waits only for what is left, so work overlapped with it hides it as it
 would hide a real transfer. Unset: no delay.
 """
 from __future__ import annotations
@@ -36,6 +37,11 @@ def ready_at(link: tuple[float, float] | None, began: float, nbytes: int,
         return began
     bits, latency = link
     return began + latency + 2 * (groups - 1) / groups * nbytes * 8 / bits
+
+
+def quorum_at(link: tuple[float, float] | None, began: float) -> float:
+    """When a quorum asked for at `began` would be answered on `link` (`began` when None)."""
+    return began if link is None else began + link[1]
 
 
 def hold(until: float) -> None:

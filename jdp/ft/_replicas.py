@@ -26,6 +26,7 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -145,6 +146,9 @@ class Replicas(_syncs.Syncs):
         self._fields["sync"] = self._sync_text()
         self._inner = 0               # this group's own steps done (semi-synchronous)
         self._pending: _syncs.Pending | None = None   # the sync whose all-reduce is in flight
+        self._sender: _syncs.Sender | None = None     # its quorum, when behind the steps
+        self._stashed: dict | None = None     # a peer's state healed from in that quorum
+        self._serving = threading.Lock()      # held by a step, and by a heal served meanwhile
         # (kind, fragment, merge_at, sent_at) of the sync under way, served to a heal; a
         # peer's, healed from, and the fragment that peer sent
         self._phase: tuple | None = None
@@ -409,13 +413,15 @@ class Replicas(_syncs.Syncs):
         self._began = time.perf_counter()
         try:
             self._manager.start_quorum()
+            _network.hold(_network.quorum_at(self._link, self._began))
         except TimeoutError as e:
             raise TimeoutError(
                 f"jdp.ft: no quorum within quorum_timeout={self._quorum_timeout:g} s from "
                 f"the Lighthouse at {self.coords.lighthouse}: is it running and reachable? "
                 "(its launcher then restarts this group's processes, --max_restarts)") from e
         finally:
-            self._blocked += time.perf_counter() - self._began
+            if threading.current_thread() is not self._sender:   # not behind the steps
+                self._blocked += time.perf_counter() - self._began
 
     def _new_quorum(self) -> bool:
         """Is this quorum one whose fingerprints this group has not compared? Every group of
@@ -571,15 +577,19 @@ class Replicas(_syncs.Syncs):
         """What a healing peer fetches (on torchft's quorum thread, while this process waits
         in the same quorum): this process's pieces of the state, bitwise, the loader's
         position after its last committed step (not the batch of a discarded attempt, kept for
-        the retry), and the state's fingerprint, checked before the state is placed."""
+        the retry), and the state's fingerprint, checked before the state is placed. A
+        semi-synchronous group whose sync runs behind its steps serves the state between two
+        of them (`_serving`), with its own steps done and the fragment as it sent it."""
         began = time.time()
-        wire = _exchange.to_wire(_exchange.to_host(self._healable()))
+        with self._serving:
+            wire = _exchange.to_wire(_exchange.to_host(self._healable()))
+            sent = None if self._pending is None else _exchange.to_wire(
+                _exchange.to_host(self._pending.sent))
+            served = {"state": wire, "loader": self._position, "fingerprint": self._state_fields,
+                      "inner": self._inner, "phase": self._phase, "sent": sent}
         if self._events is not None:   # the digest is for the record alone
             self._record("serve", step=self.step, digest=_exchange.digest(wire), began=began)
-        sent = None if self._pending is None else _exchange.to_wire(
-            _exchange.to_host(self._pending.sent))
-        return {"state": wire, "loader": self._position, "fingerprint": self._state_fields,
-                "inner": self._inner, "phase": self._phase, "sent": sent}
+        return served
 
     def _healable(self) -> Any:
         """What a heal moves: the state, and when semi-synchronous the carry of the last
@@ -594,6 +604,9 @@ class Replicas(_syncs.Syncs):
         self._mismatch = _fingerprint.heal_difference(saved.get("fingerprint"),
                                                       self._state_fields)
         if self._mismatch is not None:
+            return
+        if threading.current_thread() is self._sender:   # the steps go on: placed at the merge
+            self._stashed = saved
             return
         healed = self._turn.healed = _exchange.from_host(self._healable(),
                                                          _exchange.from_wire(saved["state"]))

@@ -5,13 +5,16 @@ Each group takes its own steps (`_own_step`: the train step's two halves on its 
 and every `sync_every / fragments` steps one fragment of the parameters syncs: a quorum, the
 fragment's exchange started (`Pending`, an all-reduce on its own thread), merged `overlap`
 steps later by `_outer.Outer` once every group's exchange succeeded (redone in new quorums
-with the same values until one commits). A group that comes back heals from a peer at one of
-its syncs and joins that sync (`_join`): the peer's state comes in the turn under way
+with the same values until one commits). With `overlap` the sync's quorum runs behind the
+group's steps too (`Sender`): the group waits for the other groups only at the merge, when
+they are more than `overlap` steps behind it. A group that comes back heals from a peer at one
+of its syncs and joins that sync (`_join`): the peer's state comes in the turn under way
 (`Replicas._turn`, which the heal writes), taken by the sync's exchange. `Syncs` holds these
 steps as methods of `Replicas`, which inherits them: they run on its state, quorums and votes.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -76,10 +79,13 @@ class Syncs:
         replaced it), with the halves of `whole` (a TrainStep); then the sync in flight merged
         when due, and a fragment's sync started when due (every fragment's at the run's last
         step)."""
-        state = self._state
-        grads, new_ms, metrics = whole.gradients(state, batch)
-        self._state = whole.update(state, grads, new_ms)
-        turn.batch, self._inner = None, self._inner + 1
+        with self._serving:   # a heal served meanwhile (`Sender`) reads a whole step's state
+            state = self._state
+            grads, new_ms, metrics = whole.gradients(state, batch)
+            self._state = whole.update(state, grads, new_ms)
+            turn.batch, self._inner = None, self._inner + 1
+            if self.loader is not None:   # what a group healing from this one reads next
+                self._position = self.loader.state_dict()
         self.committed = True
         if self._pending is not None and self._inner >= self._pending.merge_at:
             self._finish()
@@ -99,12 +105,14 @@ class Syncs:
 
     def _send(self, fragment: int, overlap: int, final: bool = False) -> bool:
         """A quorum, then fragment `fragment`'s exchange started, merged after `overlap`
-        more steps (at once for 0). True when torchft healed this group in the quorum (it
-        was a sync behind): it then joined the sync the others are at instead."""
-        if self.loader is not None:   # what a group healing at this sync reads next
-            self._position = self.loader.state_dict()
+        more steps (at once for 0; with overlap, both behind the steps: `_send_behind`).
+        True when torchft healed this group in the quorum (it was a sync behind): it then
+        joined the sync the others are at instead."""
         merge_at = self._inner + overlap
         self._phase = ("final" if final else "send", fragment, merge_at, self._inner)
+        if overlap and not final:
+            self._send_behind(fragment, merge_at)
+            return False
         self._quorum()
         if self._turn.healed is not None:
             self._join()
@@ -131,6 +139,38 @@ class Syncs:
                                  self._inner if sent_at is None else sent_at)
         self._issue(self._pending)
 
+    def _send_behind(self, fragment: int, merge_at: int) -> None:
+        """The sync's quorum and its exchange's start on a thread (`Sender`) while the group
+        takes its next steps: what it sends is taken now, so a heal served meanwhile gives the
+        peer's fragment as sent with the state of the step it is at; a heal of this group is
+        placed at the merge (`_finish`)."""
+        tree = self._outer.exchanged(self._state, self._carry, fragment)
+        sent = self._outer.sent(self._state, fragment)
+        tree, sent = _outer.copied((tree, sent))
+        pending = self._pending = Pending(fragment, merge_at, sent, tree, False, self._inner)
+
+        def behind() -> None:
+            self._quorum()
+            if self._stashed is None:
+                self._issue(pending)
+        self._sender = Sender(behind)
+        self._sender.start()
+
+    def _await_sender(self) -> dict | None:
+        """The sync's quorum and start behind the steps, waited for (the wait counts as
+        blocked on the other groups; its error is raised here); the peer's state when this
+        group healed in that quorum."""
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return None
+        began = time.perf_counter()
+        sender.join()
+        self._blocked += time.perf_counter() - began
+        if sender.error is not None:
+            raise sender.error
+        stashed, self._stashed = self._stashed, None
+        return stashed
+
     def _issue(self, pending: Pending) -> None:
         pending.plan = _buffers.Buffers.of(pending.tree, averaged(pending.tree),
                                            self._plans)
@@ -146,6 +186,11 @@ class Syncs:
         with the same values until one commits, then merged (`_outer.Outer.apply`)."""
         pending = self._pending
         if pending is None:
+            return
+        if (healed := self._await_sender()) is not None:   # behind a sync: as in a redo
+            self._pending = None
+            self._load_state_dict(healed)
+            self._join()
             return
         while not self._vote_on(pending.reduce):
             self._discarded(time.perf_counter() - self._began, "the sync")
@@ -192,6 +237,21 @@ def outer_of(sync_every: Any, outer: Any, fragments: Any, overlap: Any,
     overlap = _values.integer(WHO, "overlap", overlap, minimum=0, maximum=stride - 1,
                               fix=f"fewer steps than between two fragments' syncs ({stride})")
     return _outer.Outer(sync_every, outer, fragments, overlap)
+
+
+class Sender(threading.Thread):
+    """`run` (a sync's quorum and exchange's start) on a thread of its own; what it raised is
+    kept for the step loop (`Syncs._await_sender`)."""
+
+    def __init__(self, run: Any):
+        super().__init__(daemon=True, name="jdp-ft-sync")
+        self._body, self.error = run, None
+
+    def run(self) -> None:
+        try:
+            self._body()
+        except BaseException as e:   # noqa: BLE001 - raised again in the step loop
+            self.error = e
 
 
 class Pending:

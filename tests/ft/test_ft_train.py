@@ -6,6 +6,7 @@ both equal single-device optax on the loader's batches (1e-6); a group that heal
 the peer's state and the batch after the peer's position in either form. The real `Replicas`,
 its quorums, exchanges, sums and votes, on a stand-in for torchft in this process (one group;
 votes scripted). Real groups: tests/system/ft (the example trains with `train`)."""
+import time
 from types import SimpleNamespace
 
 import jax
@@ -16,7 +17,7 @@ import pytest
 
 import jdp
 import jdp.ft
-from jdp.ft import _manager, _replicas
+from jdp.ft import _exchange, _manager, _replicas
 
 torch = pytest.importorskip("torch")   # the exchange's host buffers are torch tensors
 
@@ -242,3 +243,54 @@ def test_the_one_calls_num_steps_is_checked_as_batches_is(num_steps, error):
                      ("batches", lambda: jdp.ft.Replicas.batches(None, num_steps))):
         with pytest.raises(error, match=rf"^jdp\.ft\.Replicas\.{who}: num_steps="):
             next(run())
+
+
+class SlowSends(Torchft):
+    """A quorum of an overlapped sync (the group's phase "send") that returns only once the
+    group has computed the gradient of its next step (at most 10 s), as a quorum that waits
+    for a slower group would; meanwhile a peer heals from the group (`_state_dict`)."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen, self.replicas, self.behind, self.served = seen, None, [], []
+
+    def start_quorum(self):
+        super().start_quorum()
+        phase = self.replicas._phase
+        if phase is None or phase[0] != "send":
+            return
+        asked, deadline = len(self.seen), time.monotonic() + 10
+        while len(self.seen) == asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.behind.append(len(self.seen) > asked)
+        self.served.append((phase, self.replicas._state_dict()))
+
+
+@pytest.mark.parametrize("form", ["batches", "train"])
+def test_an_overlapped_sync_takes_its_quorum_behind_the_steps_and_serves_a_whole_step(group,
+                                                                                       form):
+    """Streaming LocalSGD of one group is plain SGD, whenever its quorums end: each quorum of
+    an overlapped sync returns only after the group's next gradient (it would never return
+    if the steps waited for it), the group still ends as single-device optax on its batches
+    (1e-6), and what a peer healing meanwhile receives is a whole step's: the state after
+    the steps it names, the loader's position after them, the fragment as it was sent."""
+    torchft = SlowSends([])
+    replicas, seen = group(torchft, sync_every=4, fragments=2, overlap=1)
+    torchft.seen, torchft.replicas = seen, replicas
+    _, state = _run(replicas, form, 6)
+    assert torchft.behind == [True, True]
+    for got, want in zip(_leaves(state), _optax(seen[1:]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    for (_, fragment, merge_at, sent_at), served in torchft.served:
+        inner = served["inner"]
+        assert served["phase"] == ("send", fragment, merge_at, sent_at)
+        assert sent_at < inner <= merge_at and served["loader"]["step"] == inner
+        held = _exchange.from_host(replicas._healable(), _exchange.from_wire(served["state"]))
+        params = [np.asarray(x) for x in jax.tree.leaves(held[0].params)]
+        for got, want in zip(params, _optax(seen[1:inner + 1]), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+        part = replicas._outer.parts(held[0].params)[fragment]
+        sent = [x[0] for x in _exchange.from_wire(served["sent"])]
+        at_send = _optax(seen[1:sent_at + 1])
+        for got, i in zip(sent, part, strict=True):
+            np.testing.assert_allclose(got, at_send[i], atol=1e-6, rtol=0)
