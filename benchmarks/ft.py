@@ -428,7 +428,8 @@ def render_far(runs: list) -> str:
     return (f"Groups far apart: 3 groups x 1 process x 2 CPU devices, `examples/fault_tolerant.py "
             f"--task mnist5k` (the MNIST CNN with BatchNorm on 4,000 real digits, 16 per "
             f"process, Adam 1e-3), {runs[0]['steps']} steps, `JDP_FT_NETWORK={NETWORK}` (1 "
-            f"Gbit/s, 10 ms between groups); figures per step of group 0. \"alone\": the same "
+            f"Gbit/s, 10 ms between groups, each quorum too); figures per step of group 0. "
+            f"\"alone\": the same "
             f"groups syncing once, at the end: the speed of groups that never wait (its loss "
             f"is that of three models averaged once).\n\n"
             + report.table(["mode", "KB sent per step", "/ synchronous",
