@@ -10,14 +10,21 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from jdp.job import env as _env
 from jdp.job import net as _net
 from jdp.job import values
 from jdp.job.outcome import Job, Outcome
-from jdp.launch import _ft, _ft_opts, _goodput, _profile_opts, _rounds, _supervisor
+from jdp.launch import (
+    _ft,
+    _ft_opts,
+    _goodput,
+    _profile_opts,
+    _rounds,
+    _scratch,
+    _supervisor,
+)
 from jdp.launch._config import LaunchConfig
 
 WHO = "jdp.launch"
@@ -435,7 +442,7 @@ def _compilation_cache(config: LaunchConfig):
     if chosen:
         yield {_env.COMPILATION_CACHE: os.path.abspath(chosen), **settings}
         return
-    with tempfile.TemporaryDirectory(prefix="jdp-compilation-cache-") as tmp:
+    with _scratch.held("compilation-cache") as tmp:
         yield {_env.COMPILATION_CACHE: tmp, **settings}
 
 

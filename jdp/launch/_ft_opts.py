@@ -15,12 +15,12 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 from typing import NamedTuple
 
 from jdp.job import env as _env
 from jdp.job import net as _net
 from jdp.job import values
+from jdp.launch import _scratch
 
 DEFAULT_PORT = 29510   # jdp.ft.lighthouse.DEFAULT_PORT (not imported: see _lighthouse)
 EVENTS_FILE = "ft_events.jsonl"
@@ -227,7 +227,7 @@ def _events_path(stack: contextlib.ExitStack, logdir: str | None, node: int) -> 
     """LOGDIR/ft_events.jsonl (ft_events.nodeK.jsonl on node K > 0, as summary.nodeK.json),
     emptied for this job; else in a temporary directory removed when `stack` closes."""
     if logdir is None:
-        directory = tempfile.mkdtemp(prefix="jdp-ft-")
+        directory = _scratch.made("ft")
         stack.callback(shutil.rmtree, directory, ignore_errors=True)
     else:
         directory = logdir

@@ -13,7 +13,6 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ from jdp.job import net as _net
 from jdp.job import run as _run
 from jdp.job import values
 from jdp.job.outcome import Job, Outcome, State, report
-from jdp.launch import _goodput, _profile_opts, _supervisor
+from jdp.launch import _goodput, _profile_opts, _scratch, _supervisor
 
 WHO = "jdp.spawn"
 
@@ -99,7 +98,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, *,
     limits = _limits(timeout, progress_timeout, stop_grace)
     if problem := _profile_opts.problem(profile_steps, logdir, "profile_steps=", "logdir=DIR"):
         raise ValueError(problem)
-    with tempfile.TemporaryDirectory(prefix="jdp-spawn-") as tmp:
+    with _scratch.held("spawn") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
             # multiprocessing's recipe, so `fn` may live in the main script; the authkey as

@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,7 @@ from jdp.job import progress as _progress
 from jdp.job import run as _run
 from jdp.job import watchdog as _watchdog
 from jdp.job.outcome import Outcome, RankExit, Stall, State, Stop
-from jdp.launch import _goodput
+from jdp.launch import _goodput, _scratch
 
 RUNNER = os.path.abspath(_run.__file__)  # run by path
 GRACE_S = 3.0        # SIGTERM -> SIGKILL after a failure; keeps "all gone" well under 5 s
@@ -121,7 +120,7 @@ def run(specs: Sequence[RankSpec], output: Output = CONSOLE, limits: Limits = DE
     ranks: list = []
     start = time.monotonic()
     watched = limits.progress_timeout_s or ledger is not None
-    workdir = tempfile.mkdtemp(prefix="jdp-watch-") if watched else None
+    workdir = _scratch.made("watch") if watched else None
     outcome = None
     try:
         events: queue.Queue = queue.Queue()
