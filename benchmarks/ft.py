@@ -296,22 +296,28 @@ FAR_MODES = (("synchronous", []),
 FINAL = re.compile(r'\{"group": 0, .*\}')
 
 
-def far_apart(root: str, steps: int) -> list:
-    """The MNIST CNN on real digits (`--task mnist5k`, Adam 1e-3) under each of `FAR_MODES`
-    at the emulated `NETWORK`: per group-0 step, the seconds, the seconds blocked on the
-    other groups and the bytes sent, and the test loss after `steps` steps."""
+def far_apart(root: str, steps: int, groups: int = GROUPS, devices: int = 2,
+              pace: float = 0.0, modes: tuple = FAR_MODES) -> list:
+    """The MNIST CNN on real digits (`--task mnist5k`, Adam 1e-3) under each of `modes` at
+    the emulated `NETWORK`, `groups` groups of `devices` devices, each step paced to `pace`
+    seconds (the example's `--step_time`: a step as long as a larger model's, the host idle
+    meanwhile): per group-0 step, the seconds, the seconds blocked on the other groups and
+    the bytes sent, and the test loss after `steps` steps."""
     out = []
-    modes = FAR_MODES if steps > 2 * FAR_EVERY else (FAR_MODES[0], *FAR_MODES[3:])   # tiny
+    if steps <= 2 * FAR_EVERY:   # tiny
+        modes = tuple(m for m in modes if m[0] == "synchronous" or "tau" in m[0] or m[1] is None)
     for name, args in modes:
         args = ["--sync_every", str(steps)] if args is None else args
         job = ft_job(os.path.join(root, name.split(",")[0]),
                      ["examples/fault_tolerant.py", "--task", "mnist5k", "--steps", str(steps),
-                      "--lr", "0.001", *args], restarts=0, env={"JDP_FT_NETWORK": NETWORK})
+                      "--lr", "0.001", "--step_time", str(pace), *args], restarts=0,
+                     env={"JDP_FT_NETWORK": NETWORK}, groups=groups, devices=devices)
         finish(job, 1800)
         commits = [e for e in read(job.events[0]) if e["event"] == "commit"]
         inner = [e.get("inner", e["step"]) for e in commits]
         log = open(os.path.join(root, name.split(",")[0], "g0", "launcher.log")).read()
-        out.append({"mode": name, "steps": inner[-1],
+        out.append({"mode": name, "steps": inner[-1], "groups": groups, "devices": devices,
+                    "pace": pace,
                     "step_s": (commits[-1]["time"] - commits[0]["time"]) / (inner[-1] - inner[0]),
                     "blocked_s": sum(e["blocked"] for e in commits[1:]) / inner[-1],
                     "bytes": commits[-1]["sent"] / inner[-1],
@@ -328,7 +334,8 @@ def measure(size: dict, parts=PARTS) -> dict:
            "step": lambda d: step_times(d, size), "goodput": lambda d: goodput(d, size),
            "churn": lambda d: churn(d, size),
            "exchange": lambda d: exchange(size["exchange_params"]),
-           "far": lambda d: far_apart(d, size["far_steps"])}
+           "far": lambda d: far_apart(d, size["far_steps"], size.get("far_groups", GROUPS),
+                                      size.get("far_devices", 2), size.get("far_pace", 0.0))}
     with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
         return {part: run[part](os.path.join(root, part)) for part in parts}
 
@@ -425,7 +432,10 @@ def _far_rows(runs: list) -> list:
 
 def render_far(runs: list) -> str:
     """The "groups far apart" table: one row per mode."""
-    return (f"Groups far apart: 3 groups x 1 process x 2 CPU devices, `examples/fault_tolerant.py "
+    first = runs[0]
+    paced = f", each step paced to {first['pace']:g} s" if first.get("pace") else ""
+    return (f"Groups far apart: {first.get('groups', GROUPS)} groups x 1 process x "
+            f"{first.get('devices', 2)} CPU devices{paced}, `examples/fault_tolerant.py "
             f"--task mnist5k` (the MNIST CNN with BatchNorm on 4,000 real digits, 16 per "
             f"process, Adam 1e-3), {runs[0]['steps']} steps, `JDP_FT_NETWORK={NETWORK}` (1 "
             f"Gbit/s, 10 ms between groups, each quorum too); figures per step of group 0. "
@@ -474,16 +484,21 @@ def table(size: str = "quick") -> str:
 
 
 def main(argv=None) -> None:
-    """`python -m benchmarks.ft [--size S] [--parts P,...] [--duration D --every E]`: the
-    table, as markdown, on stdout."""
+    """`python -m benchmarks.ft [--size S] [--parts P,...] [--duration D --every E]
+    [--far_groups G --far_devices D --far_pace S]`: the table, as markdown, on stdout."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.ft", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
     p.add_argument("--parts", default=",".join(PARTS), help="which of " + ",".join(PARTS))
     p.add_argument("--duration", type=int, help="the goodput runs' window (s)")
     p.add_argument("--every", type=int, help="seconds between kills in the goodput runs")
+    p.add_argument("--far_groups", type=int, help="the far part's groups (default 3)")
+    p.add_argument("--far_devices", type=int, help="the far part's devices per group (2)")
+    p.add_argument("--far_pace", type=float,
+                   help="the far part's seconds per step (the example's --step_time)")
     args = p.parse_args(argv)
-    size = {**SIZES[args.size], **{k: v for k, v in (("duration", args.duration),
-                                                       ("every", args.every)) if v}}
+    given = {"duration": args.duration, "every": args.every, "far_groups": args.far_groups,
+             "far_devices": args.far_devices, "far_pace": args.far_pace}
+    size = {**SIZES[args.size], **{k: v for k, v in given.items() if v}}
     parts = [x for x in args.parts.split(",") if x]
     if not set(parts) <= set(PARTS):
         p.error(f"--parts {args.parts}: choose among {','.join(PARTS)}")

@@ -28,12 +28,13 @@ class Job(NamedTuple):
     events: list
 
 
-def _launcher(args: list, logdir: str, env: dict | None = None) -> subprocess.Popen:
+def _launcher(args: list, logdir: str, env: dict | None = None,
+              devices: int = 2) -> subprocess.Popen:
     os.makedirs(logdir, exist_ok=True)
     with open(os.path.join(logdir, "launcher.log"), "w") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "jdp.launch", "--devices_per_process", "2", "--stop_grace",
-             "3", "--logdir", logdir, *args],
+            [sys.executable, "-m", "jdp.launch", "--devices_per_process", str(devices),
+             "--stop_grace", "3", "--logdir", logdir, *args],
             env=jobs.base_env("default", RUST_LOG="warn", **(env or {})),
             cwd=jobs.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -57,17 +58,19 @@ def _listening(port: int) -> bool:
         return False
 
 
-def ft_job(root: str, script: list, restarts: int, env: dict | None = None) -> Job:
-    """3 replica groups of `script` (argv after the launcher's options), group 0 first with
-    the Lighthouse; `env` added to their environment."""
+def ft_job(root: str, script: list, restarts: int, env: dict | None = None,
+           groups: int = GROUPS, devices: int = 2) -> Job:
+    """`groups` replica groups (1 process x `devices` devices each) of `script` (argv after
+    the launcher's options), group 0 first with the Lighthouse; `env` added to their
+    environment."""
     port, launchers, events = free_port(), [], []
-    for g in range(GROUPS):
+    for g in range(groups):
         logdir = os.path.join(root, f"g{g}")
         lighthouse = f"start:{port}" if g == 0 else f"127.0.0.1:{port}"
         launchers.append(_launcher(
             ["--nproc_per_node", "1", "--max_restarts", str(restarts), "--replica_group",
-             str(g), "--replica_groups", str(GROUPS), "--ft_lighthouse", lighthouse, *script],
-            logdir, env))
+             str(g), "--replica_groups", str(groups), "--ft_lighthouse", lighthouse, *script],
+            logdir, env, devices))
         events.append(os.path.join(logdir, "ft_events.jsonl"))
         if g == 0:
             wait_for(lambda: _listening(port), 120, "Lighthouse listening")
