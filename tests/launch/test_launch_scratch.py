@@ -1,17 +1,19 @@
 """The launcher's scratch directories (`jdp.launch._scratch`): named for their owner, and
 those of a launcher that is gone removed by the next one on the host, never another's."""
 import os
-import subprocess
-import sys
 
 from jdp.launch import _scratch
 
 
 def _gone_pid() -> int:
-    """The pid of a process that has ended (and been reaped)."""
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    return int(done.stdout)
+    """A pid no process has: Linux gives pids below pid_max."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read())
+
+
+def test_a_pid_is_alive_while_its_process_runs():
+    assert _scratch._alive(os.getpid()) and _scratch._alive(os.getppid())
+    assert not _scratch._alive(_gone_pid())
 
 
 def test_only_the_directories_of_a_gone_launcher_of_this_host_are_removed(tmp_path):
