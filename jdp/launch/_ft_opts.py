@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import sys
 from typing import NamedTuple
 
@@ -227,8 +226,7 @@ def _events_path(stack: contextlib.ExitStack, logdir: str | None, node: int) -> 
     """LOGDIR/ft_events.jsonl (ft_events.nodeK.jsonl on node K > 0, as summary.nodeK.json),
     emptied for this job; else in a temporary directory removed when `stack` closes."""
     if logdir is None:
-        directory = _scratch.made("ft")
-        stack.callback(shutil.rmtree, directory, ignore_errors=True)
+        directory = stack.enter_context(_scratch.held("ft"))
     else:
         directory = logdir
         os.makedirs(directory, exist_ok=True)
