@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEVICES ?= 8
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=$(DEVICES)
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-long test-fast bench lint clean
 
 install: $(VENV)/.installed
 
@@ -19,21 +19,28 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/mnist.py --output-dir runs/demo
 
-# Everything, as CI runs it, in JOBS pytest workers (pytest-xdist): most tests under
-# tests/system/ wait on processes they started, so two workers on 2 cores take about half the
-# time of one. They start first (tests/conftest.py), and an idle worker takes tests queued for
+# The suite in JOBS pytest-xdist workers (pytest-xdist): every unit test and every system test
+# (under tests/system/: they start processes, and wait on them, so two workers on 2 cores take
+# about half the time of one) but the `long` ones, which make test-long runs. tests/conftest.py
+# deals the system tests first into both workers' halves; an idle worker takes tests queued for
 # the other (worksteal). The 20 slowest tests are listed at the end.
 JOBS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=20
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=20 -m "not long"
 
-# The unit tests and doctests alone, nothing that starts a process and no unit test marked slow
-# (make test runs those): the loop while editing, in JOBS workers too (they compile on both
-# cores: 3.3 instead of 5.1 minutes cold). XLA's compiled programs stay in .jax_cache/ between
-# runs: a warm run needs a third of the CPU.
+# The end-to-end runs make test leaves out (pytest -m long): the examples trained to their
+# accuracy, jobs killed and resumed, multi-node elastic rounds, the benchmarks' smoke runs.
+# CI runs them; `make test test-long` is the whole suite.
+test-long: install
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=20 -m long
+
+# The unit tests and doctests alone, nothing that starts a process and no long test
+# (make test-long runs those): the loop while editing, in JOBS workers too (they compile on
+# both cores: 3.3 instead of 5.1 minutes cold). XLA's compiled programs stay in .jax_cache/
+# between runs: a warm run needs a third of the CPU.
 test-fast: install
 	JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$(CURDIR)/.jax_cache} \
-	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 $(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not system and not slow"
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 $(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not system and not long"
 
 # The PyTorch peer is optional: without it the report says the comparison was skipped.
 bench: install

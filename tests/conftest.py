@@ -88,17 +88,23 @@ def run_python(args, env=None, timeout=120, cwd=None) -> subprocess.CompletedPro
 SYSTEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "system")
 
 
-def pytest_collection_modifyitems(items) -> None:
+def pytest_itemcollected(item) -> None:
     """Mark every test under tests/system/ (those that start processes) `system`, so that
-    `pytest -m "not system"` is the unit tests alone (make test-fast also leaves out `slow`).
-    Then run them, and the unit tests marked `slow`, first (in their order): in pytest-xdist's
-    workers the long tests start early and the short ones fill the end, where the long ones,
-    last in the files' order, kept one worker busy while the other idled."""
-    for item in items:
-        if str(item.path).startswith(SYSTEM + os.sep):
-            item.add_marker(pytest.mark.system)
-    items.sort(key=lambda item: item.get_closest_marker("system") is None
-               and item.get_closest_marker("slow") is None)
+    `pytest -m "not system and not long"` is the unit tests alone (make test-fast)."""
+    if str(item.path).startswith(SYSTEM + os.sep):
+        item.add_marker(pytest.mark.system)
+
+
+@pytest.hookimpl(trylast=True)    # after -m has left tests out
+def pytest_collection_modifyitems(items) -> None:
+    """Order the tests for make test's two pytest-xdist workers, which take the first and the
+    second half of the list and steal from each other's end: the `long` tests first, then the
+    other system tests, then the unit tests, dealt alternately into the two halves. Each worker
+    starts its longest tests at once and both end on short ones (in the files' order, the long
+    examples came last and kept one worker busy while the other idled)."""
+    items.sort(key=lambda item: -(2 * (item.get_closest_marker("long") is not None)
+                                  + (item.get_closest_marker("system") is not None)))
+    items[:] = items[1::2] + items[0::2]   # xdist gives its first worker len(items) // 2
 
 
 @pytest.fixture

@@ -80,7 +80,8 @@ def compiled_peak(loss, params, batch, **options):
     return peak, said, jax.device_get(jdp.unshard(new).params)
 
 
-@pytest.mark.parametrize("case, keeps", [(conv_case, "compiler"), (mlp_case, "layers")])
+@pytest.mark.parametrize("case, keeps", [
+    pytest.param(conv_case, "compiler", marks=pytest.mark.long), (mlp_case, "layers")])
 def test_the_lower_peak_of_per_layer_and_the_compilers_gathers_is_kept(case, keeps):
     loss, params, batch = case()
     peak, said, trained = compiled_peak(loss, params, batch, shard_params=True)

@@ -233,7 +233,7 @@ def test_nnx_layer_discovery_sees_only_its_own_trace_and_restores_the_classes():
     assert nnx.Linear.__dict__["__call__"] is own_call
 
 
-@pytest.mark.slow   # half a minute of compiling: make test runs it, make test-fast does not
+@pytest.mark.long
 def test_flax_lm1b_transformer_gathers_one_block_at_a_time_with_no_change():
     models = fsdp_unrolled.lm1b_models()
     config = models.TransformerConfig(vocab_size=256, output_vocab_size=256, emb_dim=128,

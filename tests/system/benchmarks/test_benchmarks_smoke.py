@@ -72,6 +72,7 @@ def tables(markdown: str) -> list[list[list[str]]]:
     return out
 
 
+@pytest.mark.long
 def test_every_sample_is_finite_and_positive(results):
     assert {"2dev:jdp", "2dev:hand", "2dev:loader", "2dev:jdp/hand"} <= set(results["samples"])
     for key, values in results["samples"].items():
@@ -242,6 +243,7 @@ def test_the_one_gpu_table_runs_on_one_cpu_device_and_is_exact():
         assert float(r[5]) == 0.0 if r[1].strip() == "float32" else float(r[5]) < 1e-6, r
 
 
+@pytest.mark.long
 def test_the_unrolled_fsdp_benchmark_measures_every_mode():
     """benchmarks/fsdp_unrolled.py at a toy size: AdamW's state is twice the parameters, so
     replicated holds 3 x 4 bytes per parameter at rest (and Adam's int32 count) and FSDP about

@@ -34,6 +34,7 @@ def table():
     return done.stdout
 
 
+@pytest.mark.long
 def test_every_figure_has_a_finite_number(table):
     from benchmarks import ft
     size = ft.SIZES["tiny"]

@@ -76,8 +76,10 @@ def straight_run():
     return host_leaves(jdp.unreplicate(state)), seen
 
 
-@pytest.mark.parametrize("stop", [(1, True), (3, True), (3, False)],
-                         ids=["mid_epoch", "after_last_batch", "after_epoch_loop"])
+@pytest.mark.parametrize("stop", [
+    pytest.param((1, True), id="mid_epoch"),
+    pytest.param((3, True), id="after_last_batch", marks=pytest.mark.long),
+    pytest.param((3, False), id="after_epoch_loop", marks=pytest.mark.long)])
 def test_resume_after_restart_is_bitwise_equal_to_a_straight_run(tmp_path, straight_run, stop):
     ref_leaves, ref_seen = straight_run
     loader = make_loader()

@@ -237,6 +237,7 @@ print(__import__("json").dumps({"step": int(state.step),
 """
 
 
+@pytest.mark.long
 def test_a_checkpoint_of_fsdp_on_8_restores_as_fsdp_on_6_and_replicated_on_2(tmp_path):
     script = write_script(tmp_path, "ckpt.py", CKPT)
     runs = []
@@ -317,6 +318,7 @@ def test_bf16_compute_equals_single_device_training_with_the_same_cast(shard):
     assert_params_close(jdp.unshard(state).params, params, rtol=1e-2, atol=2e-3)
 
 
+@pytest.mark.long
 def test_bf16_compute_tracks_float32_on_the_mnist_cnn_for_200_steps():
     """The example's CNN on real digits, the same 200 batches: the mean training loss of bf16
     compute within 2 % of float32's (measured 0.5 %), and both learn (held-out loss < 0.5).

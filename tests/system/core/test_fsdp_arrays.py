@@ -152,7 +152,7 @@ def noisy_tx(key):
     return optax.chain(optax.add_noise(0.1, 0.55, key=key), optax.adam(1e-2))
 
 
-@pytest.mark.parametrize("key", ["typed", "int"])
+@pytest.mark.parametrize("key", ["typed", pytest.param("int", marks=pytest.mark.long)])
 @pytest.mark.parametrize("layout", [{"shard_optimizer": True}, {"shard_params": True},
                                     {"shard_params": 4}], ids=["zero", "fsdp", "hsdp4"])
 def test_add_noise_keeps_its_key_whole_and_trains_as_single_device_optax(layout, key):

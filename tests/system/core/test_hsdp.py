@@ -226,7 +226,7 @@ if jax.process_index() == 0:
 """
 
 
-@pytest.mark.parametrize("processes, devices", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("processes, devices", [(1, 4), pytest.param(2, 2, marks=pytest.mark.long)])
 def test_shard_params_node_on_two_nodes_of_four_devices(tmp_path, tag, processes, devices):
     """Two launchers on this machine play two nodes of 4 devices (1 process x 4, or 2 x 2):
     "node" splits within each node's devices; only the gradient shards' reduction crosses."""

@@ -137,6 +137,7 @@ SCRIPT = """
 """
 
 
+@pytest.mark.long
 def test_two_processes_own_steps_train_as_one_device_and_run_1000_steps(tmp_path, tag):
     data = regression(3 * 16, seed=1)
     x, y = data["x"].reshape(3, 16, 3), data["y"].reshape(3, 16, 1)
@@ -215,7 +216,8 @@ KEEPING = """
 """
 
 
-@pytest.mark.parametrize("keep", ["every", "last2", "none"])
+@pytest.mark.parametrize("keep", ["every", pytest.param("last2", marks=pytest.mark.long),
+                                  pytest.param("none", marks=pytest.mark.long)])
 def test_own_step_on_two_processes_finishes_400_steps_whatever_batches_it_keeps(
         tmp_path, tag, keep):
     """The bound in flight never depends on the batches the program holds (2 x 2 devices)."""

@@ -55,9 +55,10 @@ SKIPS = """
 
 WHO = {"checkpointer": "Checkpointer.save", "restore": "Checkpointer.restore",
        "unshard": "jdp.unshard"}
-RUNS = [  # (case, processes, skipper)
-    ("checkpointer", 2, 1), ("checkpointer", 3, 0), ("restore", 2, 0), ("restore", 3, 2),
-    ("unshard", 2, 1), ("unshard", 3, 0)]
+RUNS = [  # (case, processes, skipper): make test runs one of each case, make test-long the rest
+    ("checkpointer", 2, 1), pytest.param("checkpointer", 3, 0, marks=pytest.mark.long),
+    ("restore", 2, 0), pytest.param("restore", 3, 2, marks=pytest.mark.long),
+    pytest.param("unshard", 2, 1, marks=pytest.mark.long), ("unshard", 3, 0)]
 
 
 def run(tmp_path, tag, case, processes, skipper):
@@ -108,6 +109,7 @@ SLOW_STARTER = """
 """
 
 
+@pytest.mark.long
 def test_a_process_slow_to_reach_its_first_call_is_waited_for_not_named(tmp_path, tag):
     """Before its first step a process's progress slot is all zeros: it has run no step.
     (It read as step 0, so a peer that waited over ANNOUNCE_S in the first jdp.broadcast

@@ -58,6 +58,7 @@ def two_process_run(tmp_path_factory):
     return last_record(out)
 
 
+@pytest.mark.long
 def test_mnist_two_processes_reach_the_accuracy_of_one(tmp_path, two_process_run):
     result = run_python([os.path.join(EXAMPLES, "mnist.py"), *MNIST_ARGS,
                          "--output-dir", str(tmp_path)], env=child_env(devices=2), timeout=300)
@@ -80,6 +81,7 @@ def rank_process(tag: str, rank: int):
     return None
 
 
+@pytest.mark.long
 def test_kill_9_of_a_rank_restarts_and_resumes_from_the_last_checkpoint(
         tmp_path, tag, two_process_run):
     logdir, ckpt, out = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "out"
@@ -116,6 +118,7 @@ def load_example(name: str):
     return module
 
 
+@pytest.mark.long
 def test_mnist_example_runs_end_to_end_on_tfds_mnist(tmp_path):
     mnist = load_example("mnist")
     with tfds.testing.mock_data(num_examples=256, policy=tfds.testing.MockPolicy.USE_CODE):
@@ -125,6 +128,7 @@ def test_mnist_example_runs_end_to_end_on_tfds_mnist(tmp_path):
     assert 0.0 <= record["test_accuracy"] <= 1.0
 
 
+@pytest.mark.long
 def test_mnist_resumes_a_run_preempted_at_the_last_step_of_an_epoch(tmp_path):
     """A preemption seen at an epoch's last batch saves the loader at the next epoch's start,
     so the rerun trains the remaining epoch and saves each step once (it used to re-enter the
@@ -146,6 +150,7 @@ def test_mnist_resumes_a_run_preempted_at_the_last_step_of_an_epoch(tmp_path):
     assert jdp.checkpoint.Checkpointer(tmp_path).all_steps() == [len(loader), 2 * len(loader)]
 
 
+@pytest.mark.long
 def test_spawn_mlp_example_trains_one_epoch_and_its_loss_falls(tag):
     result = subprocess.run(
         [os.sys.executable, os.path.join(EXAMPLES, "spawn_mlp.py"), "--epochs", "1",
@@ -159,6 +164,7 @@ def test_spawn_mlp_example_trains_one_epoch_and_its_loss_falls(tag):
     assert last < first * 0.8
 
 
+@pytest.mark.long
 def test_demo_reaches_96_percent_on_held_out_mnist5k_median_over_seeds_0_to_2(tmp_path):
     """What `make demo` runs (the defaults: mnist5k, 8 simulated devices, no network), for
     seeds 0-2 in one process; the held-out split's accuracy, median over the seeds."""

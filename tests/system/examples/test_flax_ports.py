@@ -86,6 +86,7 @@ def linen_accuracy(stdout: str) -> float:
     return float(re.findall(r"test_accuracy \d+ ([\d.]+)", stdout)[-1])
 
 
+@pytest.mark.long
 def test_linen_port_trains_on_8_devices_and_2_processes_as_the_original_on_one(tmp_path, tag):
     original = read(UPSTREAM, "train.py").replace(
         "from flax.metrics import tensorboard\n",
@@ -115,6 +116,7 @@ def nnx_accuracy(cwd) -> float:
     return events.Scalars("test_accuracy")[-1].value
 
 
+@pytest.mark.long
 def test_nnx_port_trains_on_8_devices_and_2_processes_as_the_original_on_one(tmp_path, tag):
     cells = tutorial_cells()
     data = ("import numpy as np\nimport matplotlib.pyplot as plt\n"

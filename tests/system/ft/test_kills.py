@@ -150,6 +150,7 @@ def stop_the_source_of_a_heal(tmp_path) -> list:
     raise AssertionError("no peer served group 2's heal")
 
 
+@pytest.mark.long
 def test_a_heal_whose_source_dies_mid_transfer_heals_from_another_peer(tmp_path, tag):
     """Group 2 restarts; the peer serving its heal is frozen and killed while the state is on
     its way. Group 2 then heals from the other peer (or, when the transfer had finished
@@ -170,6 +171,7 @@ def test_a_heal_whose_source_dies_mid_transfer_heals_from_another_peer(tmp_path,
     print(json.dumps({"source": source, "healed_from": sorted(by), "cut_attempts": len(cut)}))
 
 
+@pytest.mark.long
 def test_five_kills_of_semi_synchronous_groups_cost_no_restart_and_replay(tmp_path, tag):
     """DiLoCo (`--sync_every 10 --outer diloco`, plain SGD inside the groups, outer SGD with
     Nesterov momentum 0.5; test_ft_semisync.py runs 0.9), five kills at random moments: the
@@ -202,6 +204,7 @@ def test_five_kills_of_semi_synchronous_groups_cost_no_restart_and_replay(tmp_pa
     print(json.dumps(kills))
 
 
+@pytest.mark.long
 def test_five_kills_of_streaming_groups_cost_no_restart_and_end_as_one_model(tmp_path, tag):
     """Streaming DiLoCo (`--sync_every 20 --fragments 4 --overlap 2`: a fragment's sync in
     flight about 2 of every 5 steps), five kills at random moments: the survivors never
@@ -298,6 +301,7 @@ def rejoins(events: list) -> list:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("layout", [[], ["--shard_params", 2]], ids=["replicated", "fsdp"])
 def test_churn_of_15_kills_a_third_at_a_return_stalls_the_survivors_at_most_2_s(
         tmp_path, tag, layout):

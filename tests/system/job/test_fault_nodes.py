@@ -63,6 +63,7 @@ def wait_for_line(path, text: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.long
 def test_a_rank_killed_on_node_1_restarts_every_node_in_one_round(tmp_path, tag):
     script = write_script(tmp_path, "train.py", TRAIN)
     logs, port = tmp_path / "logs", free_port()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import REPO, job_env, start_launcher, wait_for_text, wait_until_gone, write_script
 
 from jdp.job.progress import Preemption
@@ -97,6 +98,8 @@ def test_sigterm_to_one_rank_stops_the_whole_job_cleanly(tmp_path, tag):
 
 IGNORING = """
 import time
+
+import pytest
 import jdp
 jdp.preempted()          # catches SIGTERM, then never looks again
 print("ready", flush=True)
@@ -165,6 +168,7 @@ for ckpt_dir in {[str(d) for d in ckpt_dirs]!r}:
     return [json.loads(line) for line in done.stdout.splitlines()[-len(ckpt_dirs):]]
 
 
+@pytest.mark.long
 def test_mnist_preempted_mid_epoch_resumes_bitwise(tmp_path, tag):
     launch = ["--nproc_per_node", 2, "--devices_per_process", 2]
     straight = start_launcher([*launch, *MNIST, "--checkpoint-dir", tmp_path / "straight"],

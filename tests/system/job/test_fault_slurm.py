@@ -5,6 +5,7 @@ A rank's `sys.exit(3)` mid-training must end the job within 10 s with srun retur
 Needs a running SLURM (slurmctld + slurmd, e.g. Debian's slurm-wlm on this machine); skipped
 when `srun` is absent or no node answers.
 """
+import functools
 import shutil
 import subprocess
 import sys
@@ -16,8 +17,10 @@ from conftest import RANK_1_LEAVES, REPO, child_env, wait_until_gone, write_scri
 SRUN = shutil.which("srun")
 
 
+@functools.cache
 def slurm_ready() -> bool:
-    """Is there a SLURM controller with an idle node?"""
+    """Is there a SLURM controller with an idle node? Asked once per test process: `sinfo`
+    waits up to 10 s for a controller that is not there."""
     if SRUN is None or shutil.which("sinfo") is None:
         return False
     try:

@@ -215,6 +215,7 @@ def replay(tmp_path, nodes) -> np.ndarray:
     return np.asarray(w)
 
 
+@pytest.mark.long
 def test_a_lost_node_leaves_the_others_to_finish_the_epoch_each_example_once(tmp_path, tag):
     """Three nodes of 2 devices under HSDP (shard_params="node": groups of 2, 3 copies of the
     model); node 1 is lost and the 2 left rebuild the groups (2 copies) from the checkpoint
@@ -256,6 +257,7 @@ def test_a_lost_node_leaves_the_others_to_finish_the_epoch_each_example_once(tmp
     wait_until_gone(tag, timeout=30)
 
 
+@pytest.mark.long
 def test_a_node_started_again_rejoins_and_the_job_ends_with_three(tmp_path, tag):
     script, port, nodes = start_job(tmp_path, tag)
     try:

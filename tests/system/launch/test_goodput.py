@@ -62,6 +62,7 @@ def launch(tmp_path, tag, steps, sleep=0.0, every=0):
         return json.load(f), done.stderr, wall
 
 
+@pytest.mark.long
 def test_a_rank_that_sleeps_before_every_step_is_the_only_straggler(tmp_path, tag):
     summary, err, wall = launch(tmp_path, tag, steps=120, sleep=0.15)
     total = sum(summary["buckets_s"].values())
@@ -241,6 +242,7 @@ def _resuming_job(tmp_path, tag, kill):
         return json.load(f), done.stderr
 
 
+@pytest.mark.long
 def test_a_job_killed_twice_counts_only_the_steps_redone_as_lost(tmp_path, tag):
     calm, _ = _resuming_job(tmp_path, tag, kill=False)
     hurt, err = _resuming_job(tmp_path, tag, kill=True)

@@ -79,6 +79,7 @@ def test_mlflow_is_skipped_cleanly_when_not_set_up(tmp_path, monkeypatch):
         w.scalars(1, {"loss": 1.0})
 
 
+@pytest.mark.long
 def test_the_mnist_example_logs_its_losses_to_tensorboard(tmp_path):
     """examples/mnist.py --logdir: TensorBoard reads back the losses the JSON lines hold."""
     pytest.importorskip("tensorboardX")
