@@ -19,20 +19,20 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/mnist.py --output-dir runs/demo
 
-# The suite in JOBS pytest-xdist workers (pytest-xdist): every unit test and every system test
-# (under tests/system/: they start processes, and wait on them, so two workers on 2 cores take
-# about half the time of one) but the `long` ones, which make test-long runs. tests/conftest.py
-# deals the system tests first into both workers' halves; an idle worker takes tests queued for
-# the other (worksteal). The 20 slowest tests are listed at the end.
+# The suite in JOBS pytest-xdist workers: every unit test and every system test (under
+# tests/system/: they start processes, and wait on them, so two workers on 2 cores take about
+# half the time of one) but the `long` ones, which make test-long runs. A worker takes one file
+# at a time, in the order tests/conftest.py gives (files with system tests first), so a file's
+# module fixtures run once. The 20 slowest tests are listed at the end.
 JOBS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=20 -m "not long"
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=20 -m "not long"
 
 # The end-to-end runs make test leaves out (pytest -m long): the examples trained to their
 # accuracy, jobs killed and resumed, multi-node elastic rounds, the benchmarks' smoke runs.
 # CI runs them; `make test test-long` is the whole suite.
 test-long: install
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=20 -m long
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=20 -m long
 
 # The unit tests and doctests alone, nothing that starts a process and no long test
 # (make test-long runs those): the loop while editing, in JOBS workers too (they compile on

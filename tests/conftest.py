@@ -95,16 +95,14 @@ def pytest_itemcollected(item) -> None:
         item.add_marker(pytest.mark.system)
 
 
-@pytest.hookimpl(trylast=True)    # after -m has left tests out
 def pytest_collection_modifyitems(items) -> None:
-    """Order the tests for make test's two pytest-xdist workers, which take the first and the
-    second half of the list and steal from each other's end: the `long` tests first, then the
-    other system tests, then the unit tests, dealt alternately into the two halves. Each worker
-    starts its longest tests at once and both end on short ones (in the files' order, the long
-    examples came last and kept one worker busy while the other idled)."""
+    """Run the `long` tests first, then the other system tests, then the unit tests (each in
+    the files' order). make test's pytest-xdist workers take one file at a time in this order
+    (--dist loadfile, not reordered; a file's module fixtures then run once), so both start on
+    the longest files and end on short ones: in the files' order the long examples came last
+    and kept one worker busy while the other idled."""
     items.sort(key=lambda item: -(2 * (item.get_closest_marker("long") is not None)
                                   + (item.get_closest_marker("system") is not None)))
-    items[:] = items[1::2] + items[0::2]   # xdist gives its first worker len(items) // 2
 
 
 @pytest.fixture

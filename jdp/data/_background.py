@@ -33,6 +33,7 @@ from jdp.data import _sources
 _POLL_S = 0.05
 _JOIN_S = 1.0  # a prefetch thread still busy after this exits when its current batch is built
 _STOP_S = 2.0  # a worker that does not stop after this is terminated, then killed
+_DRAIN_S = 2.0  # what an abandoned pass still owes after this is dropped with its workers
 _END = object()
 
 
@@ -150,6 +151,10 @@ class Cancelled(Exception):
     """A newer pass started (or the pool closed) while this one waited for a batch."""
 
 
+class Busy(Exception):
+    """The workers still build batches an abandoned pass asked for: start fresh ones."""
+
+
 class _Discard:
     """A file that forgets what is written: checks picklability without holding a copy."""
 
@@ -200,14 +205,17 @@ class Pool:
     def start_pass(self, plan: _sources.EpochPlan, items: range, ahead: int):
         """A function `get(b)` returning host batch b, called for b in `items` in order.
 
-        What an abandoned pass still owes is received and dropped first (no stale results).
+        What an abandoned pass still owes is received and dropped first (no stale results);
+        if it has not all come within `_DRAIN_S` (a slow or stuck source), the pool is broken
+        and `Busy` says to start fresh workers rather than wait on batches nobody wants.
         """
         self._cancel.set()  # a getter of the previous pass still waiting gives up
         with self._lock:
             self._cancel = cancel = threading.Event()
+            drained_by = time.monotonic() + _DRAIN_S
             for i in range(len(self._procs)):
                 while self._owed[i]:
-                    self._next_result(i, None, None, cancel)
+                    self._next_result(i, None, None, cancel, drained_by)
             for i in range(len(self._procs)):
                 self._ask(i, ("plan", plan))
             to_send, k = iter(items), len(self._procs)
@@ -238,12 +246,16 @@ class Pool:
             raise _died(i, self._procs[i], None, None) from None
 
     def _next_result(self, i: int, b: int | None, plan: _sources.EpochPlan | None,
-                     cancel: threading.Event) -> tuple:
-        """The next reply of worker i (waiting for batch b of `plan`, for the error message)."""
+                     cancel: threading.Event, by: float | None = None) -> tuple:
+        """The next reply of worker i (waiting for batch b of `plan`, for the error message);
+        `Busy` if none has come at monotonic time `by`."""
         conn, proc = self._conns[i], self._procs[i]
         while not conn.poll(_POLL_S):
             if cancel.is_set():
                 raise Cancelled
+            if by is not None and time.monotonic() > by:
+                self.broken = True
+                raise Busy
             if not proc.is_alive():
                 self.broken = True
                 raise _died(i, proc, b, plan)

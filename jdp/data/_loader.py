@@ -275,12 +275,16 @@ class Loader:
         """`b -> host batch b`: built here, or asked of the worker processes."""
         if not self.num_workers:
             return functools.partial(_sources.host_batch, self._recipe, plan)
-        if self._pool is not None and self._pool.broken:
-            self._stop_workers()
-        if self._pool is None:
-            self._pool = _background.Pool(self._recipe, self.num_workers)
-            self._stop_pool = weakref.finalize(self, self._pool.close)
-        return self._pool.start_pass(plan, items, ahead=2 * self.num_workers)
+        ahead = 2 * self.num_workers
+        if self._pool is not None and not self._pool.broken:
+            try:
+                return self._pool.start_pass(plan, items, ahead)
+            except _background.Busy:   # still building an abandoned pass's batches
+                pass
+        self._stop_workers()
+        self._pool = _background.Pool(self._recipe, self.num_workers)
+        self._stop_pool = weakref.finalize(self, self._pool.close)
+        return self._pool.start_pass(plan, items, ahead)
 
     @contextlib.contextmanager
     def _workers_broken_on_timeout(self) -> Iterator[None]:

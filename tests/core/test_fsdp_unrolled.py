@@ -163,6 +163,7 @@ def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change()
     assert (all_gather_bytes(as_is), peak_mib(as_is)) == (all_gather_bytes(off), peak_mib(off))
 
 
+@pytest.mark.long
 def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
     from flax import nnx
 
@@ -313,6 +314,7 @@ def test_a_bad_layer_policy_is_refused_naming_the_value(kwargs, message):
         layer_policy(lambda p, b: 0.0, **kwargs)
 
 
+@pytest.mark.long
 def test_a_linen_layer_draws_the_dropout_it_draws_in_place():
     """Per device and step, the same keys as the model run without per-layer gathering."""
     import flax.linen as nn
@@ -554,6 +556,7 @@ def test_a_linen_model_applied_with_batchnorm_statistics_gathers_per_layer(monke
     assert synced == any("collective inside" in str(w.message) for w in said), said
 
 
+@pytest.mark.long
 def test_marked_layers_with_accumulation_and_clipping_train_exactly():
     marked = layer(dense)
 
@@ -598,6 +601,7 @@ def test_a_marked_layers_contract_is_said_in_one_line():
     np.testing.assert_allclose(float(keyword), float(expected), rtol=1e-5)
 
 
+@pytest.mark.long
 def test_marked_layers_under_a_disabled_policy_compile_as_the_unmarked_model():
     """`layer_policy(enabled=False)` turns the `jdp.layer` marks off too: the step lowers to
     the same program as the model written without them, and trains as single-device optax."""

@@ -234,6 +234,32 @@ def test_after_a_timeout_the_workers_are_replaced_and_the_next_pass_reads(tmp_pa
     loader.close()
 
 
+class StuckBeyond(StuckWhile):
+    """Examples past the first batch wait (up to 30 s each) while the file `flag` exists."""
+
+    def __getitem__(self, i):
+        return {"x": np.float32(i)} if i < 8 else super().__getitem__(i)
+
+
+def test_a_pass_left_early_whose_batches_are_stuck_does_not_hold_up_the_next(tmp_path):
+    """The workers still build batches 1-4, which a pass left after batch 0 asked ahead, and
+    they are stuck: the next pass drops them with their workers within seconds (it used to wait
+    for them, up to 30 s an example, before reading its own first batch; no timeout= set)."""
+    flag = tmp_path / "stuck"
+    flag.touch()
+    loader = Loader(StuckBeyond(flag), 8, num_workers=2, prefetch=0)
+    try:
+        assert float(np.asarray(first(loader)["x"]).sum()) == sum(range(8))
+        pids = loader._pool.pids()
+        start = time.monotonic()
+        assert float(np.asarray(first(loader)["x"]).sum()) == sum(range(8))
+        assert time.monotonic() - start < 15
+        assert set(loader._pool.pids()).isdisjoint(pids)
+    finally:
+        flag.unlink()
+        loader.close()
+
+
 class Keys(Examples):
     """Example 5 has field 'y' where the others have 'x'."""
 

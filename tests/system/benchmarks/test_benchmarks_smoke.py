@@ -85,16 +85,19 @@ def one_all_reduce_of_the_trees(h: dict) -> bool:
     return h["ops"] == 1 and 0 <= h["bytes"] - h["expected_bytes"] <= 16
 
 
+@pytest.mark.long
 def test_one_all_reduce_of_the_gradient_stats_and_metrics_on_both_layouts(results):
     for key in ("2dev:jdp", "2dev:pmap", "2dev:maxpool"):
         assert one_all_reduce_of_the_trees(results["hlo"][key]), (key, results["hlo"][key])
 
 
+@pytest.mark.long
 def test_profile_finds_convolutions_and_the_all_reduce(results):
     profile = results["profile"]["2dev:jdp"]
     assert profile["convolution"] > 0 and profile["all-reduce"] > 0
 
 
+@pytest.mark.long
 def test_every_table_renders_well_formed_with_finite_numbers(block):
     from benchmarks.harness import run
     for title, _ in run.TABLES:
@@ -111,6 +114,7 @@ def test_every_table_renders_well_formed_with_finite_numbers(block):
                     assert math.isfinite(float(number.replace(",", ""))), (cell, rows[0])
 
 
+@pytest.mark.long
 def test_sharded_state_at_rest_is_the_share_adam_predicts_in_the_table(block):
     """ZeRO keeps the parameters whole and 1/N of Adam's two moments: (1 + 2/N) / 3 of the
     replicated bytes; FSDP keeps 1/N of all three (at most 1 % more: padding, the count)."""
@@ -224,6 +228,7 @@ def test_interleaved_rounds_alternate_order_and_ratios_pair_rounds():
     assert report.ratio({"samples": {"a": [2, 9, 4], "b": [1, 3, 4]}}, "a", "b") == 2.0
 
 
+@pytest.mark.long
 def test_the_one_gpu_table_runs_on_one_cpu_device_and_is_exact():
     """`python -m benchmarks.gpu` at a tiny size in a child with one CPU device: six rows of
     finite times, and jdp's parameters after 3 steps equal the hand-written jax.jit step's:

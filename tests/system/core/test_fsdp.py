@@ -128,6 +128,7 @@ def test_parameters_and_optimizer_state_are_one_nth_per_device_at_rest():
     assert per_device == (whole - 1) / N + 1  # all but the scalar
 
 
+@pytest.mark.long
 def test_batchnorm_accumulation_aux_and_dropout_rng_match_the_replicated_step():
     import flax.linen as nn
 

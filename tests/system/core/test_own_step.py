@@ -170,6 +170,7 @@ def test_two_processes_own_steps_train_as_one_device_and_run_1000_steps(tmp_path
         np.testing.assert_allclose(sq, np.mean(err_[:, 0] ** 2), rtol=1e-5)
 
 
+@pytest.mark.long
 def test_a_stalled_own_step_job_is_named_by_the_watchdog(tmp_path, tag):
     data = regression(3 * 16, seed=1)
     np.save(tmp_path / "x.npy", data["x"].reshape(3, 16, 3))

@@ -76,7 +76,8 @@ CASES = {   # case: the words of the one line (first: the call it names)
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.long) if case == "no_loader"
+                                  else case for case in sorted(CASES)])
 def test_a_call_not_every_process_makes_is_named_within_seconds(tmp_path, tag, case):
     script = write_script(tmp_path, "habit.py", HABIT)
     start = time.time()
