@@ -37,11 +37,9 @@ def decide(rows: list, me: Me, waited: float) -> str:
     """GO, WAIT, or the one line to stop with, for the rows of one quorum at step 0."""
     if any(r["step"] > 0 for r in rows):
         return WAIT
-    if max(r["past"] for r in rows) > 0:   # every group here: nobody is ahead. Fewer
-        # (alone too): a live group may be slow to ask for this quorum (a redo, a loaded
-        # host), so wait for it, quorum_timeout at most
-        full = len(rows) >= me.groups
-        return no_peer(rows, me) if full or waited > me.quorum_timeout else WAIT
+    if max(r["past"] for r in rows) > 0:
+        alone_or_all = len(rows) == 1 or len(rows) >= me.groups
+        return no_peer(rows, me) if alone_or_all or waited > me.quorum_timeout else WAIT
     if len(rows) >= me.groups:
         return GO
     if len(rows) >= me.min_groups:   # enough: every group starts once one row says it has
