@@ -28,14 +28,14 @@ GROUPS, STEPS, BATCH, WIDTH, LR = 3, 900, 8, 32, 0.01
 
 
 def launch_groups(tmp_path, tag, lighthouse_port, steps=STEPS, width=WIDTH, extra=(),
-                  restarts=5):
+                  restarts=5, step_time=0.02):
     procs = []
     for g in range(GROUPS):
         where = f"start:{lighthouse_port}" if g == 0 else f"127.0.0.1:{lighthouse_port}"
         args = ["--nproc_per_node", 1, "--devices_per_process", 2, "--max_restarts", restarts,
                 "--replica_group", g, "--replica_groups", GROUPS, "--ft_lighthouse", where,
                 "--logdir", tmp_path / f"g{g}", f"{REPO}/examples/fault_tolerant.py",
-                "--steps", steps, "--step_time", 0.02, "--batch_size", BATCH,
+                "--steps", steps, "--step_time", step_time, "--batch_size", BATCH,
                 "--width", width, "--lr", LR, "--out", tmp_path / f"p{g}.npz", *extra]
         out = open(tmp_path / f"launcher{g}.log", "w")
         procs.append(start_launcher(args, job_env(tag, RUST_LOG="warn"), stdout=out,
@@ -313,9 +313,13 @@ def test_churn_of_15_kills_a_third_at_a_return_stalls_the_survivors_at_most_2_s(
     the same bits, equal to single-device optax replaying the recorded quorums (1e-6; plain
     SGD, as adam carries float32 rounding past 1e-6 in 2,000 steps: 1.7e-6 seen)."""
     rng = random.Random(5 + len(layout))
-    steps = 2500   # at 2,000 a busy machine once had the last victim back after the end
+    # the job must outlast the churn: with CI's other lane beside it, 12 kills took 104 s and
+    # 2,500 steps of 0.02 s were over before the 13th (a group alone ran to the end, and its
+    # launcher took the Lighthouse with it); steps of 0.05 s last 125 s or more
+    steps = 2500
     kills, events = run_job(tmp_path, tag, lambda path: churn(path, rng, count=15),
-                            steps=steps, extra=[*layout, "--optimizer", "sgd"], restarts=20)
+                            steps=steps, extra=[*layout, "--optimizer", "sgd"], restarts=20,
+                            step_time=0.05)
     stalled, back = stalls(events, kills), rejoins(events)
     print(json.dumps({"stalls": [round(s, 2) for s in stalled], "at": [k["at"] for k in kills],
                       "rejoin_to_heal": [round(b, 2) for b in back]}))
