@@ -158,7 +158,10 @@ def test_a_failure_shows_one_jdp_line_per_discard_and_torchfts_log_goes_to_a_fil
     console has a jdp line per discarded attempt and no torchft traceback, the killed
     rank's last lines hold no access log, and torchft's tracebacks are in torchft.0.log."""
     port = free_port()
-    args = ["--steps", 400, "--step_time", 0.02, "--batch_size", BATCH, "--width", WIDTH,
+    # 40 s of steps at least: a restarted group must return before the other finishes (else it
+    # finds nobody to heal from and stops, exit 78); with CI's other lane beside it, 400 steps
+    # of 0.02 s were once over first
+    args = ["--steps", 400, "--step_time", 0.1, "--batch_size", BATCH, "--width", WIDTH,
             "--out"]
     procs = [launch(tmp_path, tag, 0, f"start:{port}", [*args, tmp_path / "p0.npz"])]
     time.sleep(3)

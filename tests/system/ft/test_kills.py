@@ -25,6 +25,11 @@ from benchmarks.ft import stall_of
 
 pytest.importorskip("torchft")
 GROUPS, STEPS, BATCH, WIDTH, LR = 3, 900, 8, 32, 0.01
+# A job under a series of kills must outlast it, its last victim's return included: a group
+# that comes back after the others finished stops (exit 78, nobody to heal from). With CI's
+# other lane beside it, steps of 0.02 s ended the job first twice (5 kills in 69 s of a
+# 74-s job; 12 of 15 in 104 s of 2,500 steps); steps of 0.05 s take 100 s or more for 2,000
+SERIES_STEP_S = 0.05
 
 
 def launch_groups(tmp_path, tag, lighthouse_port, steps=STEPS, width=WIDTH, extra=(),
@@ -190,7 +195,7 @@ def test_five_kills_of_semi_synchronous_groups_cost_no_restart_and_replay(tmp_pa
     extra = ["--sync_every", every, "--optimizer", "sgd", "--outer", "diloco",
              "--outer_momentum", 0.5]
     kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng, commits=3),
-                            steps=steps, extra=extra)
+                            steps=steps, extra=extra, step_time=SERIES_STEP_S)
     survivors_kept_and_heals_bitwise(events, kills)
     record = ft_replay.syncs(events)
     assert [record[c][1] for c in sorted(record)] == [0, *range(every, steps + 1, every)]
@@ -216,7 +221,7 @@ def test_five_kills_of_streaming_groups_cost_no_restart_and_end_as_one_model(tmp
     extra = ["--sync_every", 20, "--fragments", 4, "--overlap", 2, "--optimizer", "sgd",
              "--outer", "diloco"]
     kills, events = run_job(tmp_path, tag, lambda path: kill_five_times(path, rng, commits=3),
-                            steps=steps, extra=extra)
+                            steps=steps, extra=extra, step_time=SERIES_STEP_S)
     survivors_kept_and_heals_bitwise(events, kills)
     record = ft_replay.commits(events)
     assert record[-4:] == [(record[-4][0], steps, steps, f) for f in range(4)]   # the end
@@ -313,13 +318,10 @@ def test_churn_of_15_kills_a_third_at_a_return_stalls_the_survivors_at_most_2_s(
     the same bits, equal to single-device optax replaying the recorded quorums (1e-6; plain
     SGD, as adam carries float32 rounding past 1e-6 in 2,000 steps: 1.7e-6 seen)."""
     rng = random.Random(5 + len(layout))
-    # the job must outlast the churn: with CI's other lane beside it, 12 kills took 104 s and
-    # 2,500 steps of 0.02 s were over before the 13th (a group alone ran to the end, and its
-    # launcher took the Lighthouse with it); steps of 0.05 s last 125 s or more
     steps = 2500
     kills, events = run_job(tmp_path, tag, lambda path: churn(path, rng, count=15),
                             steps=steps, extra=[*layout, "--optimizer", "sgd"], restarts=20,
-                            step_time=0.05)
+                            step_time=SERIES_STEP_S)
     stalled, back = stalls(events, kills), rejoins(events)
     print(json.dumps({"stalls": [round(s, 2) for s in stalled], "at": [k["at"] for k in kills],
                       "rejoin_to_heal": [round(b, 2) for b in back]}))
