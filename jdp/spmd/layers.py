@@ -7,18 +7,22 @@ every gather at the start of the step (and again every re-gather of the backward
 the whole model is live at once. Here each layer (a flax linen submodule found by a policy, an
 NNX submodule, or a function marked with `layer`) runs as one `jax.custom_vjp`:
 
-- forward: the layer's split parameters are made to depend on the layer's input (a scalar
-  drawn from it, all-reduced so that it is the same on every device, folded in as an exact
-  zero), then gathered, so no gather can run before the layer before it has produced its
-  output; only the split parameters and the input are saved for the backward pass;
+- forward, one layer ahead: the layer's split parameters are made to depend on the input of
+  the layer before it (a scalar drawn from it, all-reduced so that it is the same on every
+  device, folded in as an exact zero), then gathered: the gather may run while the layer
+  before computes, and no earlier, so at most two layers are whole at once; only the split
+  parameters and the input are saved for the backward pass;
 - backward: the parameters are gathered again, after the layer's output cotangent has
   arrived (the same kind of dependency), the layer's gradient is reduced over the devices and
-  split again at once, and the cotangent passed to the layer before carries an exact zero
-  drawn from that reduced gradient, so that each layer's reduction completes before the next
-  one starts and the compiler cannot merge them into one at the end of the step.
+  split again at once, and an exact zero drawn from that reduced gradient joins the
+  cotangent of the input of the layer before: that layer's backward pass may run while this
+  reduction does, the one before it waits for it, so the compiler cannot merge the
+  reductions into one at the end of the step.
 
 The dependencies are data, not `lax.optimization_barrier`: XLA:CPU removes barriers before it
-schedules. Each costs one all-reduce of a scalar per layer and direction.
+schedules. Each costs one all-reduce of a scalar per layer and direction. The first layer (or
+one whose predecessor ran in another trace, e.g. each under its own `jax.checkpoint`) depends
+on its own input.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import get_opaque_trace_state  # jax.extend: JAX's API for libraries
 
 from jdp.job import values
 from jdp.spmd import mesh as _mesh
@@ -51,6 +56,11 @@ _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
     "jdp_fsdp_gathering", default=None)
 _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jdp_fsdp_in_layer",
                                                                default=False)
+# While a loss is traced with layers gathering: a cell holding the array inputs of the last
+# layer that gathered, the zero its gather waited for (the next layer's gather waits for
+# both: one layer ahead, in order) and the trace they belong to.
+_BEFORE: contextvars.ContextVar[list | None] = contextvars.ContextVar("jdp_fsdp_before",
+                                                                      default=None)
 # While a step is traced: False when the compiler places every gather (no layer gathers on its
 # own), else a list that records each layer that does (`_placement`).
 _BY_LAYER: contextvars.ContextVar[list | bool] = contextvars.ContextVar("jdp_fsdp_by_layer",
@@ -132,23 +142,45 @@ def gathered_call(fn: Callable, params: Any, args: tuple, gathering: _Gathering)
     if isinstance(recording, list):
         recording.append(getattr(fn, "__name__", "layer"))
 
-    @jax.custom_vjp
-    def run(p, a, c):
-        return pure(_gather(p, a, gathering), a, *c)
+    cell, trace = _BEFORE.get() or [None, None, None], _trace()
+    if cell[2] == trace:   # one layer ahead: after the inputs of the layer before
+        before, zero = cell[0], _zero_after(cell[0], gathering, cell[1])
+    else:   # the first layer, or the one before ran in another trace (`jax.checkpoint`)
+        before, zero = arrays, _zero_after(arrays, gathering)
+    out = _one_layer(pure, gathering, before)(params, arrays, consts, zero, before)
+    cell[:] = arrays, zero, trace
+    return out
 
-    def fwd(p, a, c):
-        return run(p, a, c), (p, a, c)
+
+def _trace() -> Any:
+    """The trace this layer is called in: values of another (a `jax.checkpoint` body's,
+    closed since) cannot be used in it."""
+    return get_opaque_trace_state(convention="jdp")
+
+
+def _one_layer(pure: Callable, gathering: _Gathering, before: list) -> Callable:
+    """`run(params, arrays, consts, zero, before)`: the layer `pure`, its parameters gathered
+    once `zero` exists (drawn from the arrays `before`, the inputs of the layer before), and
+    again in its backward pass, whose reduced gradient joins `before`'s cotangents."""
+    like = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in before]
+
+    @jax.custom_vjp
+    def run(p, a, c, zero, before):
+        return pure(_gather(p, zero, gathering), a, *c)
+
+    def fwd(p, a, c, zero, before):
+        return run(p, a, c, zero, before), (p, a, c)
 
     def bwd(saved, g):
         p, a, c = saved
-        full = _gather(p, g, gathering)
+        full = _gather(p, _zero_after(g, gathering), gathering)
         _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
         dp, da, dc = vjp(g)
         dp = jax.tree.map(lambda d: _reduced(d, gathering), dp)
-        return dp, _carrying(da, jax.tree.leaves(dp)), dc
+        return dp, da, dc, None, _carried(like, jax.tree.leaves(dp))
 
     run.defvjp(fwd, bwd)
-    return run(params, arrays, consts)
+    return run
 
 
 def _reduced(d: jax.Array, gathering: _Gathering) -> jax.Array:
@@ -223,9 +255,8 @@ def _split_static(args: Any) -> tuple[list, Callable]:
     return [leaves[i] for i in at], rebuild
 
 
-def _gather(params: Any, after: Any, gathering: _Gathering) -> Any:
-    """`params` whole on every device, gathered only once `after` (any arrays) exists."""
-    zero = _zero_after(after, gathering)
+def _gather(params: Any, zero: jax.Array | None, gathering: _Gathering) -> Any:
+    """`params` whole on every device, gathered only once `zero` (`_zero_after`) exists."""
     replicated = (_mesh.replicated() if gathering.group is None
                   else jax.sharding.NamedSharding(_mesh.group_mesh(gathering.group),
                                                   jax.sharding.PartitionSpec()))
@@ -238,13 +269,18 @@ def _gather(params: Any, after: Any, gathering: _Gathering) -> Any:
     return jax.tree.map(one, params)
 
 
-def _zero_after(after: Any, gathering: _Gathering) -> jax.Array | None:
+def _zero_after(after: Any, gathering: _Gathering,
+                chain: jax.Array | None = None) -> jax.Array | None:
     """An exact float32 zero that the compiler can only compute once all of `after` exists:
     the sign bits of its leaves' first elements (0 or 1), the largest, over the devices too
     (so that it is the same on each, as the parameters are), times 0.0 — a finite number
-    times zero, which XLA does not fold away (it cannot know the value is finite)."""
+    times zero, which XLA does not fold away (it cannot know the value is finite). `chain`,
+    the previous layer's zero, joins the bits, so that the two all-reduces stay in order and
+    the compiler cannot merge them into one that waits for the later layer's input."""
     leaves = [x for x in jax.tree.leaves(after) if hasattr(x, "dtype") and jnp.size(x)
               and jnp.issubdtype(x.dtype, jnp.number)]
+    if chain is not None:
+        leaves.append(chain)
     if not leaves:
         return None
     bits = functools.reduce(jnp.maximum, [_sign_bit(x) for x in leaves])
@@ -261,21 +297,21 @@ def _sign_zero(bit: jax.Array) -> jax.Array:
     return bit.astype(jnp.float32) * 0.0
 
 
-def _carrying(cotangents: Any, reduced: list) -> Any:
-    """The input cotangents plus an exact zero drawn from every reduced gradient (its maximum,
-    read locally from the split result): the layer before cannot start its backward pass, and
-    its reduction cannot be merged with this one, until this layer's gradient is reduced."""
+def _carried(like: list, reduced: list) -> list:
+    """Cotangents for the inputs of the layer before (`like`: their shapes and dtypes): an
+    exact zero drawn from every reduced gradient (its maximum, read locally from the split
+    result) on each floating input, None (no cotangent) on the rest. The layer before that
+    cannot start its backward pass, and its reduction cannot be merged with this one, until
+    this layer's gradient is reduced."""
     floats = [d for d in reduced if d.dtype != jax.dtypes.float0 and d.size
               and jnp.issubdtype(d.dtype, jnp.floating)]
-    if not floats:
-        return cotangents
-    zero = sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats)
+    zero = sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats) if floats else None
 
-    def one(c):
-        if not hasattr(c, "dtype") or not jnp.issubdtype(c.dtype, jnp.floating):
-            return c
-        return c + zero.astype(c.dtype)
-    return jax.tree.map(one, cotangents)
+    def one(x):
+        if zero is None or not jnp.issubdtype(x.dtype, jnp.floating):
+            return None
+        return jnp.broadcast_to(zero.astype(x.dtype), x.shape)
+    return [one(x) for x in like]
 
 
 def _split(x: jax.Array, gathering: _Gathering) -> jax.Array:
@@ -304,9 +340,11 @@ def gathering(axes: Any, group: int | None, params: Any = None):
     gather."""
     ids = frozenset(id(x) for x in jax.tree.leaves(params))
     token = _ACTIVE.set(_Gathering(axes, group, ids) if by_layer() else None)
+    before = _BEFORE.set([None, None, None])
     try:
         yield
     finally:
+        _BEFORE.reset(before)
         _ACTIVE.reset(token)
 
 

@@ -125,6 +125,68 @@ def test_a_marked_layer_outside_a_sharded_step_is_the_function_itself():
     np.testing.assert_array_equal(np.asarray(layer(dense)(p, x)), np.asarray(dense(p, x)))
 
 
+def entry_ancestors(compiled) -> tuple[dict, dict]:
+    """The compiled step's entry computation as a graph: ({instruction: the instructions it
+    waits for, transitively}, {instruction: (its text, its op_name)}). The text lists each
+    instruction after its operands, in the order the compiler scheduled them."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY "):]
+    ancestors, info = {}, {}
+    for line in entry[:entry.index("\n}")].splitlines()[1:]:
+        instruction = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
+        if instruction is None:   # a line of the computation's header
+            continue
+        name, rest = instruction.groups()
+        found: set = set()
+        for operand in re.findall(r"%([\w.\-]+)", rest):
+            if operand in ancestors:
+                found |= ancestors[operand] | {operand}
+        ancestors[name] = found
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        info[name] = (rest, op_name.group(1) if op_name else "")
+    return ancestors, info
+
+
+def test_each_layers_gather_waits_for_the_input_of_the_layer_before_not_its_output():
+    """One layer ahead: in the compiled step, the forward all-gather of layer k waits for the
+    matmuls of layers 1 .. k-2 only, so it may run while layer k-1 computes (0, 0, 1, 2, ...
+    forward matmuls before the gathers of layers 1, 2, 3, 4, ...; gathering after the layer
+    before would give 0, 1, 2, 3, ...), and the step trains as single-device optax."""
+    marked, layers = layer(dense), 6
+
+    def unrolled(params, x):
+        for p in params:
+            x = marked(p, x)
+        return x
+
+    params, data = mlp_params()[:layers], batches(N * PER, D, steps=2)
+    compiled, trained = fsdp(mse(unrolled), params, data)
+    ancestors, info = entry_ancestors(compiled)
+    forward = [n for n, (_, op) in info.items() if "transpose" not in op and "jvp(" in op]
+    matmuls = {n for n in forward if info[n][1].endswith("/dot_general")
+               and " bitcast(" not in info[n][0]}
+    gathers = [n for n in forward if re.match(rf"f32\[{D},{D}\]\S* all-gather", info[n][0])]
+    assert len(matmuls) == len(gathers) == layers, (len(matmuls), len(gathers))
+    waits = sorted(len(ancestors[g] & matmuls) for g in gathers)
+    assert waits == [0, *range(layers - 1)], waits
+    assert_tree_close(trained, single_device(mse(unrolled), params, data))
+
+
+def test_marked_layers_each_under_its_own_checkpoint_train_as_single_device_optax():
+    """A layer whose predecessor ran in another trace (each under its own `jax.checkpoint`,
+    traced and closed before the next) waits for its own input, as the first layer does."""
+    marked = layer(dense)
+
+    def unrolled(params, x):
+        for p in params:
+            x = jax.checkpoint(lambda p, x: marked(p, x))(p, x)
+        return x
+
+    params, data = mlp_params()[:4], batches(N * PER, D, steps=2)
+    _, trained = fsdp(mse(unrolled), params, data)
+    assert_tree_close(trained, single_device(mse(unrolled), params, data))
+
+
 def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change():
     import flax.linen as nn
 
