@@ -15,9 +15,10 @@ NNX submodule, or a function marked with `layer`) runs as one `jax.custom_vjp`:
 - backward: the parameters are gathered again, after the layer's output cotangent has
   arrived (the same kind of dependency), the layer's gradient is reduced over the devices and
   split again at once, and an exact zero drawn from that reduced gradient joins the
-  cotangent of the input of the layer before: that layer's backward pass may run while this
+  cotangent of the input of the layer before (that layer's backward pass may run while this
   reduction does, the one before it waits for it, so the compiler cannot merge the
-  reductions into one at the end of the step.
+  reductions into one at the end of the step) and the cotangent of a scalar token the layer
+  before handed this one (its reduction waits for this one's: no two are combined).
 
 The dependencies are data, not `lax.optimization_barrier`: XLA:CPU removes barriers before it
 schedules. Each costs one all-reduce of a scalar per layer and direction. The first layer (or
@@ -142,13 +143,14 @@ def gathered_call(fn: Callable, params: Any, args: tuple, gathering: _Gathering)
     if isinstance(recording, list):
         recording.append(getattr(fn, "__name__", "layer"))
 
-    cell, trace = _BEFORE.get() or [None, None, None], _trace()
+    cell, trace = _BEFORE.get() or [None] * 4, _trace()
     if cell[2] == trace:   # one layer ahead: after the inputs of the layer before
-        before, zero = cell[0], _zero_after(cell[0], gathering, cell[1])
+        before, zero, token = cell[0], _zero_after(cell[0], gathering, cell[1]), cell[3]
     else:   # the first layer, or the one before ran in another trace (`jax.checkpoint`)
-        before, zero = arrays, _zero_after(arrays, gathering)
-    out = _one_layer(pure, gathering, before)(params, arrays, consts, zero, before)
-    cell[:] = arrays, zero, trace
+        before, zero, token = arrays, _zero_after(arrays, gathering), None
+    out, token = _one_layer(pure, gathering, before, token is not None)(
+        params, arrays, consts, zero, before, token)
+    cell[:] = arrays, zero, trace, token
     return out
 
 
@@ -158,37 +160,44 @@ def _trace() -> Any:
     return get_opaque_trace_state(convention="jdp")
 
 
-def _one_layer(pure: Callable, gathering: _Gathering, before: list) -> Callable:
-    """`run(params, arrays, consts, zero, before)`: the layer `pure`, its parameters gathered
-    once `zero` exists (drawn from the arrays `before`, the inputs of the layer before), and
-    again in its backward pass, whose reduced gradient joins `before`'s cotangents."""
+def _one_layer(pure: Callable, gathering: _Gathering, before: list,
+               chained: bool) -> Callable:
+    """`run(params, arrays, consts, zero, before, token) -> (out, token)`: the layer `pure`,
+    its parameters gathered once `zero` exists (drawn from the arrays `before`, the inputs of
+    the layer before), and again in its backward pass. Its reduced gradient joins `before`'s
+    cotangents (the backward pass of the layer below the one before waits for it) and the
+    cotangent of `token` (`chained`: the layer before's): that layer's reduction waits for
+    this one's, so the compiler cannot combine the two."""
     like = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in before]
 
     @jax.custom_vjp
-    def run(p, a, c, zero, before):
-        return pure(_gather(p, zero, gathering), a, *c)
+    def run(p, a, c, zero, before, token):
+        return pure(_gather(p, zero, gathering), a, *c), jnp.zeros((), jnp.float32)
 
-    def fwd(p, a, c, zero, before):
-        return run(p, a, c, zero, before), (p, a, c)
+    def fwd(p, a, c, zero, before, token):
+        return run(p, a, c, zero, before, token), (p, a, c)
 
-    def bwd(saved, g):
-        p, a, c = saved
+    def bwd(saved, cotangents):
+        (p, a, c), (g, after) = saved, cotangents
         full = _gather(p, _zero_after(g, gathering), gathering)
         _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
         dp, da, dc = vjp(g)
-        dp = jax.tree.map(lambda d: _reduced(d, gathering), dp)
-        return dp, da, dc, None, _carried(like, jax.tree.leaves(dp))
+        dp = jax.tree.map(lambda d: _reduced(d, gathering, after), dp)
+        reduced = _reduced_zero(jax.tree.leaves(dp))
+        return (dp, da, dc, None, _carried(like, reduced),
+                reduced if chained and reduced is not None else None)
 
     run.defvjp(fwd, bwd)
     return run
 
 
-def _reduced(d: jax.Array, gathering: _Gathering) -> jax.Array:
+def _reduced(d: jax.Array, gathering: _Gathering, after: jax.Array) -> jax.Array:
     """One parameter's gradient summed over the devices that share its copy, split again as
-    stored (an integer parameter's zero cotangent stays as it is)."""
+    stored (an integer parameter's zero cotangent stays as it is), once `after` (an exact
+    zero) exists."""
     if d.dtype == jax.dtypes.float0:
         return d
-    return _split(lax.psum(d, gathering.axes), gathering)
+    return _split(lax.psum(d + after.astype(d.dtype), gathering.axes), gathering)
 
 
 def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
@@ -297,16 +306,19 @@ def _sign_zero(bit: jax.Array) -> jax.Array:
     return bit.astype(jnp.float32) * 0.0
 
 
-def _carried(like: list, reduced: list) -> list:
-    """Cotangents for the inputs of the layer before (`like`: their shapes and dtypes): an
-    exact zero drawn from every reduced gradient (its maximum, read locally from the split
-    result) on each floating input, None (no cotangent) on the rest. The layer before that
-    cannot start its backward pass, and its reduction cannot be merged with this one, until
-    this layer's gradient is reduced."""
+def _reduced_zero(reduced: list) -> jax.Array | None:
+    """An exact float32 zero drawn from every reduced gradient (its maximum, read from the
+    split result): None when none is floating."""
     floats = [d for d in reduced if d.dtype != jax.dtypes.float0 and d.size
               and jnp.issubdtype(d.dtype, jnp.floating)]
-    zero = sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats) if floats else None
+    return sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats) if floats else None
 
+
+def _carried(like: list, zero: jax.Array | None) -> list:
+    """Cotangents for the inputs of the layer before (`like`: their shapes and dtypes): `zero`
+    (`_reduced_zero`) on each floating input, None (no cotangent) on the rest. The layer before
+    that cannot start its backward pass until this layer's gradient is reduced, so at most two
+    layers' whole gradients are live at once."""
     def one(x):
         if zero is None or not jnp.issubdtype(x.dtype, jnp.floating):
             return None
@@ -340,7 +352,7 @@ def gathering(axes: Any, group: int | None, params: Any = None):
     gather."""
     ids = frozenset(id(x) for x in jax.tree.leaves(params))
     token = _ACTIVE.set(_Gathering(axes, group, ids) if by_layer() else None)
-    before = _BEFORE.set([None, None, None])
+    before = _BEFORE.set([None] * 4)
     try:
         yield
     finally:
