@@ -258,8 +258,10 @@ def test_a_job_killed_twice_counts_only_the_steps_redone_as_lost(tmp_path, tag):
     assert hurt["rounds"] == 3 and hurt["buckets_s"]["lost"] > 0
     assert sum(hurt["buckets_s"].values()) == pytest.approx(hurt["wall_s"], rel=0.01)
     # The same work trained: the same order of step time (a bound, not a timing: 8 parallel
-    # test workers made one 20 % slower), the redone steps being in "lost", not here.
-    assert hurt["buckets_s"]["steps"] == pytest.approx(calm["buckets_s"]["steps"], rel=0.5)
+    # test workers made one 20 % slower, the other worker of make test-long one 58 % slower),
+    # the redone steps being in "lost", not here.
+    steps, calm_steps = hurt["buckets_s"]["steps"], calm["buckets_s"]["steps"]
+    assert calm_steps / 2 <= steps <= 2 * calm_steps, (steps, calm_steps)
 
 
 def _node(ranks, wall, lag_of, steps_s=2.0):
