@@ -185,7 +185,7 @@ def _one_layer(pure: Callable, gathering: _Gathering, before: list,
         dp = jax.tree.map(lambda d: _reduced(d, gathering, after), dp)
         reduced = _reduced_zero(jax.tree.leaves(dp))
         return (dp, da, dc, None, _carried(like, reduced),
-                reduced if chained and reduced is not None else None)
+                reduced if chained else None)
 
     run.defvjp(fwd, bwd)
     return run
