@@ -7,23 +7,26 @@ every gather at the start of the step (and again every re-gather of the backward
 the whole model is live at once. Here each layer (a flax linen submodule found by a policy, an
 NNX submodule, or a function marked with `layer`) runs as one `jax.custom_vjp`:
 
-- forward, one layer ahead: the layer's split parameters are made to depend on the input of
-  the layer before it (a scalar drawn from it, all-reduced so that it is the same on every
-  device, folded in as an exact zero), then gathered: the gather may run while the layer
-  before computes, and no earlier, so at most two layers are whole at once; only the split
-  parameters and the input are saved for the backward pass;
+- forward, one layer ahead: the layer's split parameters are made to wait for the input of
+  the layer before it and for the gather of the layer before, then gathered: the gather may
+  run while the layer before computes, and no earlier, so at most two layers are whole at
+  once; only the split parameters and the input are saved for the backward pass;
 - backward: the parameters are gathered again, after the layer's output cotangent has
-  arrived (the same kind of dependency), the layer's gradient is reduced over the devices and
-  split again at once, and an exact zero drawn from that reduced gradient joins the
-  cotangent of the input of the layer before (that layer's backward pass may run while this
-  reduction does, the one before it waits for it, so the compiler cannot merge the
-  reductions into one at the end of the step) and the cotangent of a scalar token the layer
-  before handed this one (its reduction waits for this one's: no two are combined).
+  arrived, the layer's gradient is reduced over the devices and split again at once, and the
+  cotangent of the input of the layer before waits for that reduced gradient (that layer's
+  backward pass may run while this reduction does, the one before it waits for it, so the
+  compiler cannot merge the reductions into one at the end of the step), as does the
+  cotangent of a token the layer before handed this one (its reduction waits for this one's:
+  no two are combined).
 
-The dependencies are data, not `lax.optimization_barrier`: XLA:CPU removes barriers before it
-schedules. Each costs one all-reduce of a scalar per layer and direction. The first layer (or
-one whose predecessor ran in another trace, e.g. each under its own `jax.checkpoint`) depends
-on its own input.
+"Waits for" is stated in one of two forms (`_Gathering.barrier`). Where the compiler keeps
+`lax.optimization_barrier` while it schedules (XLA:GPU and TPU remove barriers only after
+scheduling), by a barrier: no arithmetic and no collective. XLA:CPU removes barriers before it
+schedules (`DROPS_BARRIERS`), so there it is data: an exact zero drawn from what is waited
+for, folded in; a zero drawn from per-device values costs one all-reduce of a scalar (so that
+it is the same on every device, as the parameters are) per layer and direction. The first
+layer (or one whose predecessor ran in another trace, e.g. each under its own
+`jax.checkpoint`) waits for its own input.
 """
 from __future__ import annotations
 
@@ -46,11 +49,18 @@ from jdp.spmd import storage as _storage
 
 class _Gathering(NamedTuple):
     """What a layer needs to gather inside the step's device map: the vmap axes its parameters
-    are unbatched over (the devices that hold one copy), the HSDP group (None: all), and the
-    ids of the parameter values the loss was given (`is_given`)."""
+    are unbatched over (the devices that hold one copy), the HSDP group (None: all), the
+    ids of the parameter values the loss was given (`is_given`), and whether the order of the
+    gathers and reductions is stated with `lax.optimization_barrier` (else with data)."""
     axes: Any
     group: int | None
     ids: frozenset = frozenset()
+    barrier: bool = False
+
+
+# Platforms whose compiler removes `lax.optimization_barrier` before it schedules: XLA:CPU
+# (its expander runs among the simplification passes; XLA:GPU's runs after scheduling).
+DROPS_BARRIERS = frozenset({"cpu"})
 
 
 _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
@@ -145,9 +155,10 @@ def gathered_call(fn: Callable, params: Any, args: tuple, gathering: _Gathering)
 
     cell, trace = _BEFORE.get() or [None] * 4, _trace()
     if cell[2] == trace:   # one layer ahead: after the inputs of the layer before
-        before, zero, token = cell[0], _zero_after(cell[0], gathering, cell[1]), cell[3]
+        before, chain, token = cell[0], cell[1], cell[3]
     else:   # the first layer, or the one before ran in another trace (`jax.checkpoint`)
-        before, zero, token = arrays, _zero_after(arrays, gathering), None
+        before, chain, token = arrays, None, None
+    zero = None if gathering.barrier else _zero_after(before, gathering, chain)
     out, token = _one_layer(pure, gathering, before, token is not None)(
         params, arrays, consts, zero, before, token)
     cell[:] = arrays, zero, trace, token
@@ -163,29 +174,31 @@ def _trace() -> Any:
 def _one_layer(pure: Callable, gathering: _Gathering, before: list,
                chained: bool) -> Callable:
     """`run(params, arrays, consts, zero, before, token) -> (out, token)`: the layer `pure`,
-    its parameters gathered once `zero` exists (drawn from the arrays `before`, the inputs of
-    the layer before), and again in its backward pass. Its reduced gradient joins `before`'s
-    cotangents (the backward pass of the layer below the one before waits for it) and the
-    cotangent of `token` (`chained`: the layer before's): that layer's reduction waits for
-    this one's, so the compiler cannot combine the two."""
+    its parameters gathered once the arrays `before` (the inputs of the layer before) and
+    `token` (handed on by the layer before) exist, or, in the data form, once `zero` (drawn
+    from them) does; and again in its backward pass. Its reduced gradient is waited for by
+    `before`'s cotangents (the backward pass of the layer below the one before) and by the
+    cotangent of `token` (`chained`: the layer before's reduction), so the compiler cannot
+    combine two reductions."""
     like = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in before]
 
     @jax.custom_vjp
     def run(p, a, c, zero, before, token):
-        return pure(_gather(p, zero, gathering), a, *c), jnp.zeros((), jnp.float32)
+        full = _gather(p, gathering, zero, (before, token))
+        return pure(full, a, *c), _handed_on(full, gathering)
 
     def fwd(p, a, c, zero, before, token):
         return run(p, a, c, zero, before, token), (p, a, c)
 
     def bwd(saved, cotangents):
         (p, a, c), (g, after) = saved, cotangents
-        full = _gather(p, _zero_after(g, gathering), gathering)
+        zero = None if gathering.barrier else _zero_after(g, gathering)
+        full = _gather(p, gathering, zero, g)
         _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
         dp, da, dc = vjp(g)
         dp = jax.tree.map(lambda d: _reduced(d, gathering, after), dp)
-        reduced = _reduced_zero(jax.tree.leaves(dp))
-        return (dp, da, dc, None, _carried(like, reduced),
-                reduced if chained else None)
+        carried, handed_back = _after_reduced(like, jax.tree.leaves(dp), gathering)
+        return dp, da, dc, None, carried, handed_back if chained else None
 
     run.defvjp(fwd, bwd)
     return run
@@ -193,11 +206,13 @@ def _one_layer(pure: Callable, gathering: _Gathering, before: list,
 
 def _reduced(d: jax.Array, gathering: _Gathering, after: jax.Array) -> jax.Array:
     """One parameter's gradient summed over the devices that share its copy, split again as
-    stored (an integer parameter's zero cotangent stays as it is), once `after` (an exact
-    zero) exists."""
+    stored (an integer parameter's zero cotangent stays as it is), once `after` (the token's
+    cotangent: the next layer's reduction, an exact zero in the data form) exists."""
     if d.dtype == jax.dtypes.float0:
         return d
-    return _split(lax.psum(d + after.astype(d.dtype), gathering.axes), gathering)
+    d = lax.optimization_barrier((d, after))[0] if gathering.barrier else d + after.astype(
+        d.dtype)
+    return _split(lax.psum(d, gathering.axes), gathering)
 
 
 def _hoisted(fn: Callable, *example: Any) -> tuple[Callable, list]:
@@ -264,18 +279,30 @@ def _split_static(args: Any) -> tuple[list, Callable]:
     return [leaves[i] for i in at], rebuild
 
 
-def _gather(params: Any, zero: jax.Array | None, gathering: _Gathering) -> Any:
-    """`params` whole on every device, gathered only once `zero` (`_zero_after`) exists."""
+def _gather(params: Any, gathering: _Gathering, zero: jax.Array | None, waits: Any) -> Any:
+    """`params` whole on every device, gathered only once all of `waits` exists (barrier
+    form) or `zero` (`_zero_after`, drawn from them: data form) does."""
     replicated = (_mesh.replicated() if gathering.group is None
                   else jax.sharding.NamedSharding(_mesh.group_mesh(gathering.group),
                                                   jax.sharding.PartitionSpec()))
+    leaves, tree = jax.tree.flatten(params)
+    at = [i for i, p in enumerate(leaves) if jnp.issubdtype(p.dtype, jnp.floating) and p.ndim]
+    split = [leaves[i] for i in at]
+    if gathering.barrier:
+        split = lax.optimization_barrier((split, waits))[0]
+    elif zero is not None:
+        split = [p + zero.astype(p.dtype) for p in split]
+    for i, p in zip(at, split, strict=True):
+        leaves[i] = lax.with_sharding_constraint(_split(p, gathering), replicated)
+    return jax.tree.unflatten(tree, leaves)
 
-    def one(p):
-        if not jnp.issubdtype(p.dtype, jnp.floating) or not p.ndim:
-            return p
-        p = _split(p + zero.astype(p.dtype), gathering) if zero is not None else p
-        return lax.with_sharding_constraint(p, replicated)
-    return jax.tree.map(one, params)
+
+def _handed_on(full: Any, gathering: _Gathering) -> jax.Array:
+    """The token a layer hands the next one: a float32 zero that, in the barrier form, exists
+    only once this layer's parameters are gathered (the next gather waits for it, so the
+    compiler cannot combine the two)."""
+    token = jnp.zeros((), jnp.float32)
+    return lax.optimization_barrier((token, full))[0] if gathering.barrier else token
 
 
 def _zero_after(after: Any, gathering: _Gathering,
@@ -306,17 +333,29 @@ def _sign_zero(bit: jax.Array) -> jax.Array:
     return bit.astype(jnp.float32) * 0.0
 
 
-def _reduced_zero(reduced: list) -> jax.Array | None:
-    """An exact float32 zero drawn from every reduced gradient (its maximum, read from the
-    split result): None when none is floating."""
+def _after_reduced(like: list, reduced: list, gathering: _Gathering) -> tuple[list, Any]:
+    """The cotangents that wait for a layer's `reduced` gradient: one for each input of the
+    layer before (`like`: their shapes and dtypes; None, no cotangent, for one not floating)
+    and one for the token the layer before handed on, all exact zeros (None when nothing is
+    floating), through a barrier or drawn from the gradient (`_reduced_zero`)."""
     floats = [d for d in reduced if d.dtype != jax.dtypes.float0 and d.size
               and jnp.issubdtype(d.dtype, jnp.floating)]
-    return sum(_sign_zero(_sign_bit(jnp.max(d))) for d in floats) if floats else None
+    if gathering.barrier and floats:
+        zero = lax.optimization_barrier((jnp.zeros((), jnp.float32), floats))[0]
+    else:
+        zero = _reduced_zero(floats)
+    return _carried(like, zero), zero
+
+
+def _reduced_zero(reduced: list) -> jax.Array | None:
+    """An exact float32 zero drawn from every floating reduced gradient (its maximum, read
+    from the split result): None when there is none."""
+    return sum(_sign_zero(_sign_bit(jnp.max(d))) for d in reduced) if reduced else None
 
 
 def _carried(like: list, zero: jax.Array | None) -> list:
     """Cotangents for the inputs of the layer before (`like`: their shapes and dtypes): `zero`
-    (`_reduced_zero`) on each floating input, None (no cotangent) on the rest. The layer before
+    (`_after_reduced`) on each floating input, None (no cotangent) on the rest. The layer before
     that cannot start its backward pass until this layer's gradient is reduced, so at most two
     layers' whole gradients are live at once."""
     def one(x):
@@ -351,7 +390,8 @@ def gathering(axes: Any, group: int | None, params: Any = None):
     """While the step traces the loss on `params`: `layer`s (and the layers a policy finds)
     gather."""
     ids = frozenset(id(x) for x in jax.tree.leaves(params))
-    token = _ACTIVE.set(_Gathering(axes, group, ids) if by_layer() else None)
+    barrier = _mesh.mesh().devices.flat[0].platform not in DROPS_BARRIERS
+    token = _ACTIVE.set(_Gathering(axes, group, ids, barrier) if by_layer() else None)
     before = _BEFORE.set([None] * 4)
     try:
         yield

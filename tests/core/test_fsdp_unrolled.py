@@ -172,6 +172,65 @@ def test_each_layers_gather_waits_for_the_input_of_the_layer_before_not_its_outp
     assert_tree_close(trained, single_device(mse(unrolled), params, data))
 
 
+def lowered_ancestors(text: str) -> tuple[dict, dict]:
+    """The lowered step's main function as a graph: ({value: the values it waits for,
+    transitively}, {value: its line}); values named as in the text (`%6`, `%arg1`)."""
+    ancestors, line_of = {}, {}
+    for line in text.splitlines():
+        defined = re.match(r"\s*(%[\w]+)(?::\d+)? = (.*)", line)
+        if defined is None:
+            continue
+        name, rest = defined.groups()
+        found: set = set()
+        for operand in re.findall(r"(%[\w]+)", rest):
+            found |= ancestors.get(operand, set()) | {operand}
+        ancestors[name], line_of[name] = found, rest
+    return ancestors, line_of
+
+
+def test_where_the_compiler_keeps_barriers_the_order_is_a_barrier_with_no_all_reduce(
+        monkeypatch):
+    """On a backend whose compiler keeps `lax.optimization_barrier` while it schedules (GPU,
+    TPU; here CPU told it does), the order is stated by barriers: layer k's parameters wait
+    for the input of layer k-1 (0, 0, 1, 2, ... forward matmuls before them, as in the data
+    form), the compiled step has no all-reduce of a scalar (the data form: one per layer and
+    direction), and it trains as single-device optax."""
+    from jdp.core import _placement
+    from jdp.spmd import layers as _layers
+    marked, layers = layer(dense), 5
+
+    def unrolled(params, x):
+        for p in params:
+            x = marked(p, x)
+        return x
+
+    def compiled_step():
+        state = jdp.broadcast(jdp.TrainState.create(apply_fn=None, params=params, tx=TX),
+                              shard_params=True)
+        lowered = jdp.train_step(mse(unrolled), shard_params=True).lower(
+            state, jdp.shard(data[0]))
+        return lowered.as_text(), lowered.compile().as_text()
+
+    def scalar_all_reduces(compiled_text):
+        return len(re.findall(r"= \w+\[\]\S* all-reduce(?:-start)?\(", compiled_text))
+
+    params, data = mlp_params()[:layers], batches(N * PER, D, steps=2)
+    monkeypatch.setattr(_placement, "MARGIN", 0.0)   # by layer, whatever CPU makes of it
+    assert scalar_all_reduces(compiled_step()[1]) == 2 * layers
+    monkeypatch.setattr(_layers, "DROPS_BARRIERS", frozenset())
+    text, compiled = compiled_step()
+    assert scalar_all_reduces(compiled) == 0
+    ancestors, line_of = lowered_ancestors(text[text.index("func.func public @main"):])
+    matmuls = {v for v, line in line_of.items() if line.startswith("stablehlo.dot_general")}
+    kernels = [v for v, line in line_of.items() if line.startswith("stablehlo.optimization_"
+               "barrier") and re.search(rf"%arg\d+\b.*: .*tensor<{D}x{D}xf32>", line)]
+    waits = sorted(len(ancestors[v] & matmuls) for v in kernels)
+    assert waits[:layers] == [0, *range(layers - 1)], waits
+    assert min(waits[layers:]) >= layers, waits   # the backward pass's gathers: after forward
+    _, trained = fsdp(mse(unrolled), params, data)
+    assert_tree_close(trained, single_device(mse(unrolled), params, data))
+
+
 def test_marked_layers_each_under_its_own_checkpoint_train_as_single_device_optax():
     """A layer whose predecessor ran in another trace (each under its own `jax.checkpoint`,
     traced and closed before the next) waits for its own input, as the first layer does."""
