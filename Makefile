@@ -30,7 +30,7 @@ test: install
 
 # The end-to-end runs make test leaves out (pytest -m long): the examples trained to their
 # accuracy, jobs killed and resumed, multi-node elastic rounds, the benchmarks' smoke runs.
-# CI runs them; `make test test-long` is the whole suite.
+# Not in CI (13 minutes on 2 cores); `make test test-long` is the whole suite.
 test-long: install
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=20 -m long
 
