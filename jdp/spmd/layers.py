@@ -11,13 +11,14 @@ NNX submodule, or a function marked with `layer`) runs as one `jax.custom_vjp`:
   the layer before it and for the gather of the layer before, then gathered: the gather may
   run while the layer before computes, and no earlier, so at most two layers are whole at
   once; only the split parameters and the input are saved for the backward pass;
-- backward: the parameters are gathered again, after the layer's output cotangent has
-  arrived, the layer's gradient is reduced over the devices and split again at once, and the
-  cotangent of the input of the layer before waits for that reduced gradient (that layer's
-  backward pass may run while this reduction does, the one before it waits for it, so the
-  compiler cannot merge the reductions into one at the end of the step), as does the
-  cotangent of a token the layer before handed this one (its reduction waits for this one's:
-  no two are combined).
+- backward, one layer ahead too: the parameters are gathered again once the layer after has
+  its output cotangent (the last layer: once its own has arrived), so the gather may run
+  while the layer after computes its backward pass; the layer's gradient is reduced over the
+  devices and split again at once, and the cotangent of the input of the layer before waits
+  for that reduced gradient (that layer's backward pass may run while this reduction does,
+  the one before it waits for it, so the compiler cannot merge the reductions into one at
+  the end of the step), as does the cotangent of a token the layer before handed this one
+  (its reduction waits for this one's: no two are combined).
 
 "Waits for" is stated in one of two forms (`_Gathering.barrier`). Where the compiler keeps
 `lax.optimization_barrier` while it schedules (XLA:GPU and TPU remove barriers only after
@@ -50,12 +51,14 @@ from jdp.spmd import storage as _storage
 class _Gathering(NamedTuple):
     """What a layer needs to gather inside the step's device map: the vmap axes its parameters
     are unbatched over (the devices that hold one copy), the HSDP group (None: all), the
-    ids of the parameter values the loss was given (`is_given`), and whether the order of the
-    gathers and reductions is stated with `lax.optimization_barrier` (else with data)."""
+    ids of the parameter values the loss was given and those values (`is_given`), and whether
+    the order of the gathers and reductions is stated with `lax.optimization_barrier` (else
+    with data)."""
     axes: Any
     group: int | None
     ids: frozenset = frozenset()
     barrier: bool = False
+    given: Any = None
 
 
 # Platforms whose compiler removes `lax.optimization_barrier` before it schedules: XLA:CPU
@@ -69,7 +72,8 @@ _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jdp_fsdp_in_laye
                                                                default=False)
 # While a loss is traced with layers gathering: a cell holding the array inputs of the last
 # layer that gathered, the zero its gather waited for (the next layer's gather waits for
-# both: one layer ahead, in order) and the trace they belong to.
+# both: one layer ahead, in order), the trace they belong to, the token it handed on, and a
+# flag the next layer sets (`_one_layer`'s `followed`).
 _BEFORE: contextvars.ContextVar[list | None] = contextvars.ContextVar("jdp_fsdp_before",
                                                                       default=None)
 # While a step is traced: False when the compiler places every gather (no layer gathers on its
@@ -153,15 +157,17 @@ def gathered_call(fn: Callable, params: Any, args: tuple, gathering: _Gathering)
     if isinstance(recording, list):
         recording.append(getattr(fn, "__name__", "layer"))
 
-    cell, trace = _BEFORE.get() or [None] * 4, _trace()
+    cell, trace = _BEFORE.get() or [None] * 5, _trace()
     if cell[2] == trace:   # one layer ahead: after the inputs of the layer before
         before, chain, token = cell[0], cell[1], cell[3]
+        cell[4][0] = True   # that layer is followed: its backward gather waits for this one's
     else:   # the first layer, or the one before ran in another trace (`jax.checkpoint`)
         before, chain, token = arrays, None, None
     zero = None if gathering.barrier else _zero_after(before, gathering, chain)
-    out, token = _one_layer(pure, gathering, before, token is not None)(
+    followed = [False]   # read when the backward pass is traced, after the whole forward
+    out, token = _one_layer(pure, gathering, before, token is not None, followed)(
         params, arrays, consts, zero, before, token)
-    cell[:] = arrays, zero, trace, token
+    cell[:] = arrays, zero, trace, token, followed
     return out
 
 
@@ -171,34 +177,40 @@ def _trace() -> Any:
     return get_opaque_trace_state(convention="jdp")
 
 
-def _one_layer(pure: Callable, gathering: _Gathering, before: list,
-               chained: bool) -> Callable:
+def _one_layer(pure: Callable, gathering: _Gathering, before: list, chained: bool,
+               followed: list) -> Callable:
     """`run(params, arrays, consts, zero, before, token) -> (out, token)`: the layer `pure`,
     its parameters gathered once the arrays `before` (the inputs of the layer before) and
     `token` (handed on by the layer before) exist, or, in the data form, once `zero` (drawn
-    from them) does; and again in its backward pass. Its reduced gradient is waited for by
-    `before`'s cotangents (the backward pass of the layer below the one before) and by the
-    cotangent of `token` (`chained`: the layer before's reduction), so the compiler cannot
-    combine two reductions."""
+    from them) does. Backward, one layer ahead too: gathered again once the layer after
+    (`followed[0]`) has its output's cotangent (else once this one's has arrived); its
+    reduced gradient is waited for by `before`'s cotangents (the backward pass of the layer
+    below the one before) and by the cotangent of `token` (`chained`: the layer before's
+    reduction), so the compiler cannot combine two reductions; this layer's output
+    cotangent, by the other half of that cotangent (the layer before's gather)."""
     like = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in before]
 
     @jax.custom_vjp
     def run(p, a, c, zero, before, token):
         full = _gather(p, gathering, zero, (before, token))
-        return pure(full, a, *c), _handed_on(full, gathering)
+        return pure(full, a, *c), (_handed_on(full, gathering), jnp.zeros((), jnp.float32))
 
     def fwd(p, a, c, zero, before, token):
         return run(p, a, c, zero, before, token), (p, a, c)
 
     def bwd(saved, cotangents):
-        (p, a, c), (g, after) = saved, cotangents
-        zero = None if gathering.barrier else _zero_after(g, gathering)
-        full = _gather(p, gathering, zero, g)
+        (p, a, c), (g, (after, ahead)) = saved, cotangents
+        if not followed[0]:   # the last layer: its gather waits for its own output cotangent
+            ahead = None if gathering.barrier else _zero_after(g, gathering)
+        full = _gather(p, gathering, ahead, g if ahead is None else ahead)
         _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
         dp, da, dc = vjp(g)
         dp = jax.tree.map(lambda d: _reduced(d, gathering, after), dp)
         carried, handed_back = _after_reduced(like, jax.tree.leaves(dp), gathering)
-        return dp, da, dc, None, carried, handed_back if chained else None
+        if not chained:
+            return dp, da, dc, None, carried, None
+        return dp, da, dc, None, carried, (handed_back, _ahead(g, full, ahead, followed[0],
+                                                                gathering))
 
     run.defvjp(fwd, bwd)
     return run
@@ -297,6 +309,17 @@ def _gather(params: Any, gathering: _Gathering, zero: jax.Array | None, waits: A
     return jax.tree.unflatten(tree, leaves)
 
 
+def _ahead(g: Any, full: Any, ahead: Any, followed: bool, gathering: _Gathering) -> jax.Array:
+    """What the backward gather of the layer before waits for: a float32 zero that exists
+    once this layer's output cotangent `g` and its gathered parameters `full` do (barrier
+    form: so that the two gathers are not combined), or drawn from `g` and from `ahead` (what
+    this layer's gather waited for: data form, so that the all-reduces stay in order; for the
+    last layer, that zero was drawn from `g` already)."""
+    if gathering.barrier:
+        return lax.optimization_barrier((jnp.zeros((), jnp.float32), g, full))[0]
+    return _zero_after(g, gathering, ahead) if followed else ahead
+
+
 def _handed_on(full: Any, gathering: _Gathering) -> jax.Array:
     """The token a layer hands the next one: a float32 zero that, in the barrier form, exists
     only once this layer's parameters are gathered (the next gather waits for it, so the
@@ -376,13 +399,32 @@ def by_layer() -> bool:
     return _BY_LAYER.get() is not False
 
 
-def is_given(params: Any) -> bool:
-    """Are `params` some of the step's own parameters, as the loss was given them? Not when
-    they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`: those gather per
-    layer already) or values the loss computed from them."""
+def is_given(params: Any, path: tuple | None = None) -> bool:
+    """Are `params` some of the step's own parameters, as the loss was given them, or (a
+    linen module at `path`) as a lifted transform that passes them through whole hands them
+    to the module (`nn.remat`, `nn.jit`: the given subtree at `path`, its keys, shapes and
+    dtypes)? Not when they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`:
+    those gather per layer already) or values the loss computed from them (a cast)."""
     gathering = _ACTIVE.get()
     leaves = jax.tree.leaves(params)
-    return gathering is not None and bool(leaves) and all(id(x) in gathering.ids for x in leaves)
+    if gathering is None or not leaves:
+        return False
+    if all(id(x) in gathering.ids for x in leaves):
+        return True
+    return path is not None and _passed_through(params, gathering.given, path)
+
+
+def _passed_through(params: Any, given: Any, path: tuple) -> bool:
+    """Is `params` shaped as `given`'s subtree at `path` (keys, shapes, dtypes)?"""
+    for key in path:
+        if not hasattr(given, "keys") or key not in given:
+            return False
+        given = given[key]
+
+    def described(tree):
+        return sorted((jax.tree_util.keystr(k), jnp.shape(x), jnp.result_type(x))
+                      for k, x in jax.tree_util.tree_leaves_with_path(tree))
+    return described(params) == described(given)
 
 
 @contextlib.contextmanager
@@ -391,8 +433,8 @@ def gathering(axes: Any, group: int | None, params: Any = None):
     gather."""
     ids = frozenset(id(x) for x in jax.tree.leaves(params))
     barrier = _mesh.mesh().devices.flat[0].platform not in DROPS_BARRIERS
-    token = _ACTIVE.set(_Gathering(axes, group, ids, barrier) if by_layer() else None)
-    before = _BEFORE.set([None] * 4)
+    token = _ACTIVE.set(_Gathering(axes, group, ids, barrier, params) if by_layer() else None)
+    before = _BEFORE.set([None] * 5)
     try:
         yield
     finally:

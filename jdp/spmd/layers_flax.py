@@ -115,7 +115,7 @@ def _linen_recording(found: dict, borrowing: dict):
         path = tuple(module.path)
         params = module.variables.get("params", {})
         count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-        if count and _layers.is_given(params):
+        if count and _layers.is_given(params, path):
             found[path] = (type(module), count)
             for outer in running:
                 if path[:len(outer)] != outer:
