@@ -257,7 +257,9 @@ def test_marked_layers_each_under_its_own_checkpoint_train_as_single_device_opta
     assert_tree_close(trained, single_device(mse(unrolled), params, data))
 
 
-def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change():
+def linen_unrolled(layers, wrap=lambda block: block):
+    """A linen MLP of `layers` dense tanh blocks of width D called in a Python loop, the
+    block's class passed through `wrap` (e.g. `nn.remat`): (the model, the block's class)."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -268,9 +270,16 @@ def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change()
     class Unrolled(nn.Module):
         @nn.compact
         def __call__(self, x):
-            for _ in range(L):
-                x = Block()(x)
+            for _ in range(layers):
+                x = wrap(Block)()(x)
             return x
+    return Unrolled(), Block
+
+
+def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change():
+    import flax.linen as nn
+
+    unrolled, Block = linen_unrolled(L)
 
     class ScanBlock(nn.Module):
         @nn.compact
@@ -284,7 +293,7 @@ def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change()
                            split_rngs={"params": True}, length=L)()(x, None)[0]
 
     forms = []
-    for net in (Unrolled(), Scanned()):
+    for net in (unrolled, Scanned()):
         params = net.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
         forms.append((mse(lambda p, x, net=net: net.apply({"params": p}, x)), params))
     check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
@@ -303,19 +312,7 @@ def test_linen_blocks_under_nn_remat_called_in_a_loop_are_layers_too():
     half of the compiler's placement of the gathers, and 3 steps equal single-device optax."""
     import flax.linen as nn
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, h):
-            return jnp.tanh(nn.Dense(D)(h))
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(6):
-                x = nn.remat(Block)()(x)
-            return x
-
-    net = Net()
+    net, _ = linen_unrolled(6, nn.remat)
     params = net.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
     loss, data = mse(lambda p, x: net.apply({"params": p}, x)), batches(N * PER, D)
     by_layer, trained = fsdp(loss, params, data)
