@@ -21,8 +21,9 @@ NNX submodule, or a function marked with `layer`) runs as one `jax.custom_vjp`:
   (its reduction waits for this one's: no two are combined).
 
 "Waits for" is stated in one of two forms (`_Gathering.barrier`). Where the compiler keeps
-`lax.optimization_barrier` while it schedules (XLA:GPU and TPU remove barriers only after
-scheduling), by a barrier: no arithmetic and no collective. XLA:CPU removes barriers before it
+`lax.optimization_barrier` while it schedules (XLA:GPU removes barriers only after
+scheduling; TPU gets the same form, unchecked), by a barrier: no arithmetic and no
+collective. XLA:CPU removes barriers before it
 schedules (`DROPS_BARRIERS`), so there it is data: an exact zero drawn from what is waited
 for, folded in; a zero drawn from per-device values costs one all-reduce of a scalar (so that
 it is the same on every device, as the parameters are) per layer and direction. The first
@@ -62,7 +63,8 @@ class _Gathering(NamedTuple):
 
 
 # Platforms whose compiler removes `lax.optimization_barrier` before it schedules: XLA:CPU
-# (its expander runs among the simplification passes; XLA:GPU's runs after scheduling).
+# (its expander runs among the simplification passes; XLA:GPU's runs after scheduling; TPU's
+# is not checked and gets the barrier form).
 DROPS_BARRIERS = frozenset({"cpu"})
 
 
