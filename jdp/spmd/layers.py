@@ -147,7 +147,7 @@ def gathered_call(fn: Callable, params: Any, args: tuple, gathering: _Gathering)
     A layer with a collective inside (a BatchNorm synced over the devices, `axis_name=`)
     cannot be recomputed in the backward pass, which runs outside the device map: it runs
     as it is, its parameters gathered where the compiler places them, and that is said once."""
-    arrays, rebuild = _split_static(args)
+    arrays, rebuild = _picked(args, lambda x: isinstance(x, (jax.Array, jax.core.Tracer)))
     pure, consts, collective = _hoisted(_inside(lambda p, a: fn(p, *rebuild(a))), params, arrays)
     if collective:
         say_once(gathered_call, "collective", "jdp: FSDP gathers a layer with a collective "
@@ -184,17 +184,17 @@ def _one_layer(pure: Callable, gathering: _Gathering, before: list, chained: boo
     """`run(params, arrays, consts, zero, before, token) -> (out, token)`: the layer `pure`,
     its parameters gathered once the arrays `before` (the inputs of the layer before) and
     `token` (handed on by the layer before) exist, or, in the data form, once `zero` (drawn
-    from them) does. Backward, one layer ahead too: gathered again once the layer after
-    (`followed[0]`) has its output's cotangent (else once this one's has arrived); its
-    reduced gradient is waited for by `before`'s cotangents (the backward pass of the layer
-    below the one before) and by the cotangent of `token` (`chained`: the layer before's
-    reduction), so the compiler cannot combine two reductions; this layer's output
-    cotangent, by the other half of that cotangent (the layer before's gather)."""
+    from them; None in the barrier form) does. Backward, one layer ahead too: gathered again
+    once the layer after (`followed[0]`) has its output's cotangent (else once this one's
+    has arrived); its reduced gradient is waited for by `before`'s cotangents (the backward
+    pass of the layer below the one before) and by the cotangent of `token` (`chained`: the
+    layer before's reduction), so the compiler cannot combine two reductions; this layer's
+    output cotangent, by the other half of that cotangent (the layer before's gather)."""
     like = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in before]
 
     @jax.custom_vjp
     def run(p, a, c, zero, before, token):
-        full = _gather(p, gathering, zero, (before, token))
+        full = _gather(p, gathering, (before, token) if gathering.barrier else zero)
         return pure(full, a, *c), (_handed_on(full, gathering), jnp.zeros((), jnp.float32))
 
     def fwd(p, a, c, zero, before, token):
@@ -204,7 +204,7 @@ def _one_layer(pure: Callable, gathering: _Gathering, before: list, chained: boo
         (p, a, c), (g, (after, ahead)) = saved, cotangents
         if not followed[0]:   # the last layer: its gather waits for its own output cotangent
             ahead = None if gathering.barrier else _zero_after(g, gathering)
-        full = _gather(p, gathering, ahead, g if ahead is None else ahead)
+        full = _gather(p, gathering, g if ahead is None else ahead)
         _, vjp = jax.vjp(lambda q, a, c: pure(q, a, *c), full, a, c)
         dp, da, dc = vjp(g)
         dp = jax.tree.map(lambda d: _reduced(d, gathering, after), dp)
@@ -279,36 +279,36 @@ def _inside(fn: Callable) -> Callable:
     return run
 
 
-def _split_static(args: Any) -> tuple[list, Callable]:
-    """The array leaves of `args`, and a function that puts arrays back among the rest (Python
-    values such as `deterministic=True`, which stay what they are)."""
-    leaves, tree = jax.tree.flatten(args)
-    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
+def _picked(tree: Any, keep: Callable[[Any], bool]) -> tuple[list, Callable]:
+    """The leaves of `tree` that `keep`, and a function that puts new values for them back
+    among the rest (which stay what they are: Python values such as `deterministic=True`
+    among a layer's arguments, integer or scalar parameters, which are not gathered)."""
+    leaves, structure = jax.tree.flatten(tree)
+    at = [i for i, x in enumerate(leaves) if keep(x)]
 
-    def rebuild(arrays):
+    def rebuild(picked):
         out = list(leaves)
-        for i, x in zip(at, arrays, strict=True):
+        for i, x in zip(at, picked, strict=True):
             out[i] = x
-        return jax.tree.unflatten(tree, out)
+        return jax.tree.unflatten(structure, out)
     return [leaves[i] for i in at], rebuild
 
 
-def _gather(params: Any, gathering: _Gathering, zero: jax.Array | None, waits: Any) -> Any:
-    """`params` whole on every device, gathered only once all of `waits` exists (barrier
-    form) or `zero` (`_zero_after`, drawn from them: data form) does."""
+def _gather(params: Any, gathering: _Gathering, after: Any) -> Any:
+    """`params` whole on every device, gathered only once `after` exists: in the barrier
+    form, anything to wait for; in the data form, an exact zero drawn from it (`_zero_after`;
+    None: no wait)."""
     replicated = (_mesh.replicated() if gathering.group is None
                   else jax.sharding.NamedSharding(_mesh.group_mesh(gathering.group),
                                                   jax.sharding.PartitionSpec()))
-    leaves, tree = jax.tree.flatten(params)
-    at = [i for i, p in enumerate(leaves) if jnp.issubdtype(p.dtype, jnp.floating) and p.ndim]
-    split = [leaves[i] for i in at]
+    split, rebuild = _picked(params, lambda p: jnp.issubdtype(p.dtype, jnp.floating)
+                             and p.ndim)
     if gathering.barrier:
-        split = lax.optimization_barrier((split, waits))[0]
-    elif zero is not None:
-        split = [p + zero.astype(p.dtype) for p in split]
-    for i, p in zip(at, split, strict=True):
-        leaves[i] = lax.with_sharding_constraint(_split(p, gathering), replicated)
-    return jax.tree.unflatten(tree, leaves)
+        split = lax.optimization_barrier((split, after))[0]
+    elif after is not None:
+        split = [p + after.astype(p.dtype) for p in split]
+    return rebuild([lax.with_sharding_constraint(_split(p, gathering), replicated)
+                    for p in split])
 
 
 def _ahead(g: Any, full: Any, ahead: Any, followed: bool, gathering: _Gathering) -> jax.Array:
