@@ -60,6 +60,7 @@ class _Gathering(NamedTuple):
     ids: frozenset = frozenset()
     barrier: bool = False
     given: Any = None
+    memo: dict | None = None   # `is_given`'s descriptions of `given`'s subtrees, once a trace
 
 
 # Platforms whose compiler removes `lax.optimization_barrier` before it schedules: XLA:CPU
@@ -401,18 +402,27 @@ def by_layer() -> bool:
     return _BY_LAYER.get() is not False
 
 
-def is_given(params: Any, path: tuple | None = None) -> bool:
+ANYWHERE = object()   # `is_given`'s path for a module whose place in the model is not known
+
+
+def is_given(params: Any, path: Any = None) -> bool:
     """Are `params` some of the step's own parameters, as the loss was given them, or (a
-    linen module at `path`) as a lifted transform that passes them through whole hands them
-    to the module (`nn.remat`, `nn.jit`: the given subtree at `path`, its keys, shapes and
-    dtypes)? Not when they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`:
-    those gather per layer already) or values the loss computed from them (a cast)."""
+    module at `path`, or `ANYWHERE`: an NNX module, whose place is not known) as a lifted
+    transform that passes them through whole hands them to the module (`nn.remat`,
+    `nnx.remat`, `nn.jit`: a given subtree at `path`, its keys, shapes and dtypes)? Not when
+    they are slices of them inside a scanned model (`nn.scan`, `nnx.scan`: those gather per
+    layer already) or values the loss computed from them (a cast)."""
     gathering = _ACTIVE.get()
     leaves = jax.tree.leaves(params)
     if gathering is None or not leaves:
         return False
     if all(id(x) in gathering.ids for x in leaves):
         return True
+    if path is ANYWHERE:
+        memo = gathering.memo if gathering.memo is not None else {}
+        if "subtrees" not in memo:
+            memo["subtrees"] = {tuple(_described(t)) for t in _subtrees(gathering.given)}
+        return tuple(_described(params)) in memo["subtrees"]
     return path is not None and _passed_through(params, gathering.given, path)
 
 
@@ -422,11 +432,24 @@ def _passed_through(params: Any, given: Any, path: tuple) -> bool:
         if not hasattr(given, "keys") or key not in given:
             return False
         given = given[key]
+    return _described(params) == _described(given)
 
-    def described(tree):
-        return sorted((jax.tree_util.keystr(k), jnp.shape(x), jnp.result_type(x))
-                      for k, x in jax.tree_util.tree_leaves_with_path(tree))
-    return described(params) == described(given)
+
+def _described(tree: Any) -> list:
+    """`tree`'s leaves as (key path, shape, dtype), sorted."""
+    return sorted((jax.tree_util.keystr(k), jnp.shape(x), jnp.result_type(x))
+                  for k, x in jax.tree_util.tree_leaves_with_path(tree))
+
+
+def _subtrees(tree: Any) -> list:
+    """Every subtree of `tree` reached through its mappings (`tree` itself first)."""
+    found, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        if hasattr(node, "keys"):
+            stack.extend(node[k] for k in node.keys())
+    return found
 
 
 @contextlib.contextmanager
@@ -435,7 +458,8 @@ def gathering(axes: Any, group: int | None, params: Any = None):
     gather."""
     ids = frozenset(id(x) for x in jax.tree.leaves(params))
     barrier = _mesh.mesh().devices.flat[0].platform not in DROPS_BARRIERS
-    token = _ACTIVE.set(_Gathering(axes, group, ids, barrier, params) if by_layer() else None)
+    token = _ACTIVE.set(_Gathering(axes, group, ids, barrier, params, {}) if by_layer()
+                        else None)
     before = _BEFORE.set([None] * 5)
     try:
         yield

@@ -210,7 +210,7 @@ def _nnx_recording(found: dict):
     def record(module, path, call, args, kwargs):
         params = nnx.state(module, nnx.Param)
         count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-        if count and _layers.is_given(params):
+        if count and _layers.is_given(params, _layers.ANYWHERE):
             found[path] = (type(module), count)
         return call(module, *args, **kwargs)
 
