@@ -286,13 +286,21 @@ def exchange(params: int) -> list:
 
 NETWORK = "1,0.01"   # the emulated link between groups far apart: 1 Gbit/s, 10 ms
 FAR_EVERY = 20
-FAR_MODES = (("synchronous", []),
-             (f"LocalSGD, H = {FAR_EVERY}", ["--sync_every", str(FAR_EVERY)]),
-             (f"DiLoCo, H = {FAR_EVERY}", ["--sync_every", str(FAR_EVERY), "--outer", "diloco"]),
-             (f"Streaming DiLoCo, H = {FAR_EVERY}, F = 4, tau = 2",
-              ["--sync_every", str(FAR_EVERY), "--outer", "diloco", "--fragments", "4",
-               "--overlap", "2"]),
-             ("alone (one sync, at the end)", None))
+
+
+def far_modes(every: int = FAR_EVERY) -> tuple:
+    """(name, the example's options) of each mode the far part runs, syncing every `every`
+    steps; Streaming DiLoCo (F = 4, tau = 2) where a fragment's turn (H / F steps) is longer
+    than its overlap."""
+    h = ["--sync_every", str(every)]
+    streaming = ((f"Streaming DiLoCo, H = {every}, F = 4, tau = 2",
+                  [*h, "--outer", "diloco", "--fragments", "4", "--overlap", "2"]),)
+    return (("synchronous", []), (f"LocalSGD, H = {every}", h),
+            (f"DiLoCo, H = {every}", [*h, "--outer", "diloco"]),
+            *(streaming if every // 4 > 2 else ()), ("alone (one sync, at the end)", None))
+
+
+FAR_MODES = far_modes()
 FINAL = re.compile(r'\{"group": 0, .*\}')
 
 
@@ -335,7 +343,8 @@ def measure(size: dict, parts=PARTS) -> dict:
            "churn": lambda d: churn(d, size),
            "exchange": lambda d: exchange(size["exchange_params"]),
            "far": lambda d: far_apart(d, size["far_steps"], size.get("far_groups", GROUPS),
-                                      size.get("far_devices", 2), size.get("far_pace", 0.0))}
+                                      size.get("far_devices", 2), size.get("far_pace", 0.0),
+                                      far_modes(size.get("far_every", FAR_EVERY)))}
     with tempfile.TemporaryDirectory(prefix="jdp-bench-ft-") as root:
         return {part: run[part](os.path.join(root, part)) for part in parts}
 
@@ -485,7 +494,8 @@ def table(size: str = "quick") -> str:
 
 def main(argv=None) -> None:
     """`python -m benchmarks.ft [--size S] [--parts P,...] [--duration D --every E]
-    [--far_groups G --far_devices D --far_pace S]`: the table, as markdown, on stdout."""
+    [--far_groups G --far_devices D --far_pace S --far_every H]`: the table, as markdown, on
+    stdout."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.ft", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
     p.add_argument("--parts", default=",".join(PARTS), help="which of " + ",".join(PARTS))
@@ -495,9 +505,11 @@ def main(argv=None) -> None:
     p.add_argument("--far_devices", type=int, help="the far part's devices per group (2)")
     p.add_argument("--far_pace", type=float,
                    help="the far part's seconds per step (the example's --step_time)")
+    p.add_argument("--far_every", type=int, help=f"the far part's H (default {FAR_EVERY})")
     args = p.parse_args(argv)
     given = {"duration": args.duration, "every": args.every, "far_groups": args.far_groups,
-             "far_devices": args.far_devices, "far_pace": args.far_pace}
+             "far_devices": args.far_devices, "far_pace": args.far_pace,
+             "far_every": args.far_every}
     size = {**SIZES[args.size], **{k: v for k, v in given.items() if v}}
     parts = [x for x in args.parts.split(",") if x]
     if not set(parts) <= set(PARTS):
