@@ -139,13 +139,20 @@ class Buffers:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def copying(buffers: list) -> None:
+    """Start each local piece of `buffers` on its way to the host (`to_host` then waits only
+    for what is left)."""
+    for b in buffers:
+        for _, s in _exchange.pieces(b):
+            s.data.copy_to_host_async()
+
+
 def to_host(buffers: list) -> list:
     """Per buffer, per local device in mesh order, a writable torch tensor of its values:
     the device's own memory on CPU, else one device-to-host copy."""
     import torch
     shards = [s for b in buffers for _, s in _exchange.pieces(b)]
-    for s in shards:
-        s.data.copy_to_host_async()
+    copying(buffers)
     return [torch.from_dlpack(s.data) if s.device.platform == "cpu"
             else torch.from_numpy(_writable(np.asarray(s.data))) for s in shards]
 

@@ -148,11 +148,12 @@ class Syncs:
         sent = self._outer.sent(self._state, fragment)
         tree, sent = _outer.copied((tree, sent))
         pending = self._pending = Pending(fragment, merge_at, sent, tree, False, self._inner)
+        self._flattened(pending)   # before the next step: the thread's copy waits for no step
 
         def behind() -> None:
             self._quorum()
             if self._stashed is None:
-                self._issue(pending)
+                self._started(pending)
         self._sender = Sender(behind)
         self._sender.start()
 
@@ -172,9 +173,21 @@ class Syncs:
         return stashed
 
     def _issue(self, pending: Pending) -> None:
+        self._flattened(pending)
+        self._started(pending)
+
+    def _flattened(self, pending: Pending) -> None:
+        """The sync's buffers filled on the devices and their copies to the host started:
+        dispatched, not waited for. Dispatched by the step loop ahead of its next step, so
+        that the copy waits only for the step before it, not for steps taken meanwhile."""
         pending.plan = _buffers.Buffers.of(pending.tree, averaged(pending.tree),
                                            self._plans)
         pending.buffers = pending.plan.flatten(pending.tree)
+        _buffers.copying(pending.buffers)
+
+    def _started(self, pending: Pending) -> None:
+        """The buffers on the host (zeros for a healed group, which adds nothing) and the
+        all-reduce across groups started."""
         pending.host = _buffers.to_host(pending.buffers)
         if pending.healed:
             for t in pending.host:
@@ -256,7 +269,7 @@ class Sender(threading.Thread):
 
 class Pending:
     """A fragment's sync under way: what was sent and when it merges, its buffers and the
-    started all-reduce (`Replicas._issue`)."""
+    started all-reduce (`Syncs._issue`)."""
 
     def __init__(self, fragment: int, merge_at: int, sent: list, tree: tuple, healed: bool,
                  inner: int):

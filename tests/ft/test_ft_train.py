@@ -6,6 +6,7 @@ both equal single-device optax on the loader's batches (1e-6); a group that heal
 the peer's state and the batch after the peer's position in either form. The real `Replicas`,
 its quorums, exchanges, sums and votes, on a stand-in for torchft in this process (one group;
 votes scripted). Real groups: tests/system/ft (the example trains with `train`)."""
+import threading
 import time
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ import pytest
 
 import jdp
 import jdp.ft
-from jdp.ft import _exchange, _manager, _replicas
+from jdp.ft import _buffers, _exchange, _manager, _replicas
 
 torch = pytest.importorskip("torch")   # the exchange's host buffers are torch tensors
 
@@ -267,18 +268,31 @@ class SlowSends(Torchft):
 
 
 @pytest.mark.parametrize("form", ["batches", "train"])
-def test_an_overlapped_sync_takes_its_quorum_behind_the_steps_and_serves_a_whole_step(group,
-                                                                                       form):
+def test_an_overlapped_sync_takes_its_quorum_behind_the_steps_and_serves_a_whole_step(
+        group, form, monkeypatch):
     """Streaming LocalSGD of one group is plain SGD, whenever its quorums end: each quorum of
     an overlapped sync returns only after the group's next gradient (it would never return
     if the steps waited for it), the group still ends as single-device optax on its batches
     (1e-6), and what a peer healing meanwhile receives is a whole step's: the state after
-    the steps it names, the loader's position after them, the fragment as it was sent."""
+    the steps it names, the loader's position after them, the fragment as it was sent. The
+    sync's buffers are filled by the step loop before its next step (so that their copy to
+    the host waits for no step taken meanwhile), not by the quorum's thread."""
     torchft = SlowSends([])
     replicas, seen = group(torchft, sync_every=4, fragments=2, overlap=1)
     torchft.seen, torchft.replicas = seen, replicas
+    filled, flatten = [], _buffers.Buffers.flatten
+
+    def recording(plan, tree):
+        filled.append((len(seen), threading.current_thread().name))
+        return flatten(plan, tree)
+    monkeypatch.setattr(_buffers.Buffers, "flatten", recording)
     _, state = _run(replicas, form, 6)
     assert torchft.behind == [True, True]
+    # seen[0] is the warm-up's gradient: a send after step k fills before gradient k + 2
+    sends = [(sent_at + 1, threading.main_thread().name)
+             for (_, _, _, sent_at), _ in torchft.served]
+    assert [f for f in filled if f in sends] == sends
+    assert not [f for f in filled if f[1] != threading.main_thread().name]
     for got, want in zip(_leaves(state), _optax(seen[1:]), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     for (_, fragment, merge_at, sent_at), served in torchft.served:
