@@ -288,16 +288,25 @@ NETWORK = "1,0.01"   # the emulated link between groups far apart: 1 Gbit/s, 10 
 FAR_EVERY = 20
 
 
+# DiLoCo's outer SGD (learning rate, Nesterov momentum): the paper's, and one for short runs
+# at small H (fewer outer steps for momentum to build up: BENCHMARKS.md has the sweep)
+FAR_OUTERS = ((0.7, 0.9), (0.6, 0.6))
+
+
 def far_modes(every: int = FAR_EVERY) -> tuple:
     """(name, the example's options) of each mode the far part runs, syncing every `every`
-    steps; Streaming DiLoCo (F = 4, tau = 2) where a fragment's turn (H / F steps) is longer
-    than its overlap."""
+    steps, DiLoCo with each of `FAR_OUTERS`; Streaming DiLoCo (F = 4, tau = 2) where a
+    fragment's turn (H / F steps) is longer than its overlap."""
     h = ["--sync_every", str(every)]
-    streaming = ((f"Streaming DiLoCo, H = {every}, F = 4, tau = 2",
-                  [*h, "--outer", "diloco", "--fragments", "4", "--overlap", "2"]),)
-    return (("synchronous", []), (f"LocalSGD, H = {every}", h),
-            (f"DiLoCo, H = {every}", [*h, "--outer", "diloco"]),
-            *(streaming if every // 4 > 2 else ()), ("alone (one sync, at the end)", None))
+    modes = [("synchronous", []), (f"LocalSGD, H = {every}", h)]
+    for lr, momentum in FAR_OUTERS:
+        outer = ["--outer", "diloco", "--outer_lr", str(lr), "--outer_momentum", str(momentum)]
+        named = f"outer {lr:g} / {momentum:g}"
+        modes.append((f"DiLoCo, H = {every}, {named}", [*h, *outer]))
+        if every // 4 > 2:
+            modes.append((f"Streaming DiLoCo, H = {every}, F = 4, tau = 2, {named}",
+                          [*h, *outer, "--fragments", "4", "--overlap", "2"]))
+    return (*modes, ("alone (one sync, at the end)", None))
 
 
 FAR_MODES = far_modes()
@@ -312,18 +321,21 @@ def far_apart(root: str, steps: int, groups: int = GROUPS, devices: int = 2,
     meanwhile): per group-0 step, the seconds, the seconds blocked on the other groups and
     the bytes sent, and the test loss after `steps` steps."""
     out = []
-    if steps <= 2 * FAR_EVERY:   # tiny
-        modes = tuple(m for m in modes if m[0] == "synchronous" or "tau" in m[0] or m[1] is None)
-    for name, args in modes:
+    if steps <= 2 * FAR_EVERY:   # tiny: synchronous, the first streaming mode, alone
+        streaming = [m for m in modes if "tau" in m[0]][:1]
+        modes = tuple(m for m in modes if m[0] == "synchronous" or m in streaming
+                      or m[1] is None)
+    for i, (name, args) in enumerate(modes):
         args = ["--sync_every", str(steps)] if args is None else args
-        job = ft_job(os.path.join(root, name.split(",")[0]),
+        where = os.path.join(root, str(i))
+        job = ft_job(where,
                      ["examples/fault_tolerant.py", "--task", "mnist5k", "--steps", str(steps),
                       "--lr", "0.001", "--step_time", str(pace), *args], restarts=0,
                      env={"JDP_FT_NETWORK": NETWORK}, groups=groups, devices=devices)
         finish(job, 1800)
         commits = [e for e in read(job.events[0]) if e["event"] == "commit"]
         inner = [e.get("inner", e["step"]) for e in commits]
-        log = open(os.path.join(root, name.split(",")[0], "g0", "launcher.log")).read()
+        log = open(os.path.join(where, "g0", "launcher.log")).read()
         out.append({"mode": name, "steps": inner[-1], "groups": groups, "devices": devices,
                     "pace": pace,
                     "step_s": (commits[-1]["time"] - commits[0]["time"]) / (inner[-1] - inner[0]),
