@@ -305,30 +305,9 @@ def test_an_unrolled_flax_linen_mlp_gathers_one_layer_at_a_time_with_no_change()
 
 
 
-def test_linen_blocks_under_nn_remat_called_in_a_loop_are_layers_too():
-    """`nn.remat(Block)()` called in a Python loop: flax hands each block its parameters
-    through the checkpoint's trace (not the values the loss was given, but the same tree,
-    shapes and dtypes), and each block still gathers on its own: the step peaks at under
-    half of the compiler's placement of the gathers, and 3 steps equal single-device optax."""
-    import flax.linen as nn
-
-    net, _ = linen_unrolled(6, nn.remat)
-    params = net.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
-    loss, data = mse(lambda p, x: net.apply({"params": p}, x)), batches(N * PER, D)
-    by_layer, trained = fsdp(loss, params, data)
-    by_compiler, _ = fsdp(layer_policy(loss, enabled=False), params, data[:1])
-    assert peak_mib(by_layer) < 0.5 * peak_mib(by_compiler), (
-        peak_mib(by_layer), peak_mib(by_compiler))
-    assert max(all_gather_bytes(by_layer)) <= LAYER_BYTES
-    assert_tree_close(trained, single_device(loss, params, data))
-
-
-def test_nnx_blocks_under_nnx_remat_called_in_a_loop_are_layers_too():
-    """`nnx.remat(lambda block, h: block(h))(block, x)` in a Python loop: NNX hands each block
-    its parameters through the checkpoint's trace, as new values (the given subtree's keys,
-    shapes and dtypes, with no path back to it), and each block still gathers on its own: the
-    step peaks at under half of the compiler's placement, and 3 steps equal single-device
-    optax."""
+def nnx_unrolled(layers, call=lambda block, h: block(h)):
+    """An NNX MLP of `layers` dense tanh blocks of width D, each applied in a Python loop as
+    `call(block, h)` (e.g. under `nnx.remat`): (the model, the block's class)."""
     from flax import nnx
 
     class Block(nnx.Module):
@@ -340,15 +319,37 @@ def test_nnx_blocks_under_nnx_remat_called_in_a_loop_are_layers_too():
 
     class Unrolled(nnx.Module):
         def __init__(self, rngs):
-            self.blocks = nnx.List([Block(rngs) for _ in range(6)])
+            self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
 
         def __call__(self, x):
             for block in self.blocks:
-                x = nnx.remat(lambda b, h: b(h))(block, x)
+                x = call(block, x)
             return x
+    return Unrolled(nnx.Rngs(0)), Block
 
-    graphdef, params = nnx.split(Unrolled(nnx.Rngs(0)), nnx.Param)
-    loss = mse(lambda p, x: nnx.merge(graphdef, p)(x))
+
+def remat_in_a_loop(flavour):
+    """(loss, params) of 6 blocks each called under remat in a Python loop: linen's
+    `nn.remat(Block)()(x)` or NNX's `nnx.remat(lambda b, x: b(x))(block, x)`."""
+    if flavour == "linen":
+        import flax.linen as nn
+        net, _ = linen_unrolled(6, nn.remat)
+        params = net.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
+        return mse(lambda p, x: net.apply({"params": p}, x)), params
+    from flax import nnx
+    unrolled, _ = nnx_unrolled(6, lambda block, h: nnx.remat(lambda b, x: b(x))(block, h))
+    graphdef, params = nnx.split(unrolled, nnx.Param)
+    return mse(lambda p, x: nnx.merge(graphdef, p)(x)), params
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_blocks_under_remat_called_in_a_loop_are_layers_too(flavour):
+    """A block under remat called in a Python loop: flax hands each block its parameters
+    through the checkpoint's trace (not the values the loss was given, but a given subtree's
+    keys, shapes and dtypes; in NNX with no path back to it), and each block still gathers on
+    its own: the step peaks at under half of the compiler's placement of the gathers, and 3
+    steps equal single-device optax."""
+    loss, params = remat_in_a_loop(flavour)
     data = batches(N * PER, D)
     by_layer, trained = fsdp(loss, params, data)
     by_compiler, _ = fsdp(layer_policy(loss, enabled=False), params, data[:1])
@@ -362,21 +363,7 @@ def test_nnx_blocks_under_nnx_remat_called_in_a_loop_are_layers_too():
 def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
     from flax import nnx
 
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.dense = nnx.Linear(D, D, rngs=rngs)
-
-        def __call__(self, h):
-            return jnp.tanh(self.dense(h))
-
-    class Unrolled(nnx.Module):
-        def __init__(self, rngs):
-            self.blocks = nnx.List([Block(rngs) for _ in range(L)])
-
-        def __call__(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x
+    unrolled, Block = nnx_unrolled(L)
 
     class Scanned(nnx.Module):
         def __init__(self, rngs):
@@ -394,8 +381,8 @@ def test_an_unrolled_flax_nnx_mlp_gathers_one_layer_at_a_time_with_no_change():
             return run(x, self.blocks)
 
     forms = []
-    for cls in (Unrolled, Scanned):
-        graphdef, params = nnx.split(cls(nnx.Rngs(0)), nnx.Param)
+    for model in (unrolled, Scanned(nnx.Rngs(0))):
+        graphdef, params = nnx.split(model, nnx.Param)
         forms.append((mse(lambda p, x, g=graphdef: nnx.merge(g, p)(x)), params))
     check_unrolled_against_scanned(*forms, LAYER_BYTES, batches(N * PER, D))
 
