@@ -530,7 +530,8 @@ def test_a_linen_layer_draws_the_dropout_it_draws_in_place():
     assert_tree_close(*trained)
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["called", "under-nnx-remat"])
+@pytest.mark.parametrize("remat", [False, pytest.param(True, marks=pytest.mark.long)],
+                         ids=["called", "under-nnx-remat"])
 def test_an_nnx_layer_with_batchnorm_and_dropout_threads_its_state_as_in_place(remat,
                                                                                monkeypatch):
     """Statistics and random counters go into each gathered layer and come back out, called
