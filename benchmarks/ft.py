@@ -291,21 +291,24 @@ FAR_EVERY = 20
 # DiLoCo's outer SGD (learning rate, Nesterov momentum): the paper's, and one for short runs
 # at small H (fewer outer steps for momentum to build up: BENCHMARKS.md has the sweep)
 FAR_OUTERS = ((0.7, 0.9), (0.6, 0.6))
+FAR_FRAGMENTS, FAR_OVERLAP = 4, 2   # Streaming DiLoCo's F and tau
 
 
 def far_modes(every: int = FAR_EVERY) -> tuple:
     """(name, the example's options) of each mode the far part runs, syncing every `every`
-    steps, DiLoCo with each of `FAR_OUTERS`; Streaming DiLoCo (F = 4, tau = 2) where a
-    fragment's turn (H / F steps) is longer than its overlap."""
+    steps, DiLoCo with each of `FAR_OUTERS`; Streaming DiLoCo (`FAR_FRAGMENTS`,
+    `FAR_OVERLAP`) where a fragment's turn (H / F steps) is longer than its overlap."""
     h = ["--sync_every", str(every)]
     modes = [("synchronous", []), (f"LocalSGD, H = {every}", h)]
     for lr, momentum in FAR_OUTERS:
         outer = ["--outer", "diloco", "--outer_lr", str(lr), "--outer_momentum", str(momentum)]
         named = f"outer {lr:g} / {momentum:g}"
         modes.append((f"DiLoCo, H = {every}, {named}", [*h, *outer]))
-        if every // 4 > 2:
-            modes.append((f"Streaming DiLoCo, H = {every}, F = 4, tau = 2, {named}",
-                          [*h, *outer, "--fragments", "4", "--overlap", "2"]))
+        if every // FAR_FRAGMENTS > FAR_OVERLAP:
+            modes.append((f"Streaming DiLoCo, H = {every}, F = {FAR_FRAGMENTS}, "
+                          f"tau = {FAR_OVERLAP}, {named}",
+                          [*h, *outer, "--fragments", str(FAR_FRAGMENTS), "--overlap",
+                           str(FAR_OVERLAP)]))
     return (*modes, ("alone (one sync, at the end)", None))
 
 

@@ -421,8 +421,8 @@ def is_given(params: Any, path: Any = None) -> bool:
     if path is ANYWHERE:
         memo = gathering.memo if gathering.memo is not None else {}
         if "subtrees" not in memo:
-            memo["subtrees"] = {tuple(_described(t)) for t in _subtrees(gathering.given)}
-        return tuple(_described(params)) in memo["subtrees"]
+            memo["subtrees"] = {_described(t) for t in _subtrees(gathering.given)}
+        return _described(params) in memo["subtrees"]
     return path is not None and _passed_through(params, gathering.given, path)
 
 
@@ -435,10 +435,10 @@ def _passed_through(params: Any, given: Any, path: tuple) -> bool:
     return _described(params) == _described(given)
 
 
-def _described(tree: Any) -> list:
+def _described(tree: Any) -> tuple:
     """`tree`'s leaves as (key path, shape, dtype), sorted."""
-    return sorted((jax.tree_util.keystr(k), jnp.shape(x), jnp.result_type(x))
-                  for k, x in jax.tree_util.tree_leaves_with_path(tree))
+    return tuple(sorted((jax.tree_util.keystr(k), jnp.shape(x), jnp.result_type(x))
+                        for k, x in jax.tree_util.tree_leaves_with_path(tree)))
 
 
 def _subtrees(tree: Any) -> list:
