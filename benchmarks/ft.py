@@ -297,14 +297,15 @@ FAR_FRAGMENTS, FAR_OVERLAP = 4, 2   # Streaming DiLoCo's F and tau
 def far_modes(every: int = FAR_EVERY) -> tuple:
     """(name, the example's options) of each mode the far part runs, syncing every `every`
     steps, DiLoCo with each of `FAR_OUTERS`; Streaming DiLoCo (`FAR_FRAGMENTS`,
-    `FAR_OVERLAP`) where a fragment's turn (H / F steps) is longer than its overlap."""
+    `FAR_OVERLAP`) where H is a multiple of F and a fragment's turn (H / F steps) is longer
+    than its overlap."""
     h = ["--sync_every", str(every)]
     modes = [("synchronous", []), (f"LocalSGD, H = {every}", h)]
     for lr, momentum in FAR_OUTERS:
         outer = ["--outer", "diloco", "--outer_lr", str(lr), "--outer_momentum", str(momentum)]
         named = f"outer {lr:g} / {momentum:g}"
         modes.append((f"DiLoCo, H = {every}, {named}", [*h, *outer]))
-        if every // FAR_FRAGMENTS > FAR_OVERLAP:
+        if every % FAR_FRAGMENTS == 0 and every // FAR_FRAGMENTS > FAR_OVERLAP:
             modes.append((f"Streaming DiLoCo, H = {every}, F = {FAR_FRAGMENTS}, "
                           f"tau = {FAR_OVERLAP}, {named}",
                           [*h, *outer, "--fragments", str(FAR_FRAGMENTS), "--overlap",
