@@ -9,7 +9,9 @@ steps in its own layout, its optimizer state its own), then the groups in the qu
   `anchor - params` is averaged over the groups, the outer optimizer applies it to the anchor,
   and every group goes on from the new anchor. `optax.sgd(1.0)` gives LocalSGD's parameters.
 - Streaming (`fragments=F`, `overlap=tau`): the parameters' leaves in F contiguous fragments
-  of about equal size, fragment f synced after steps (f + 1) H / F, H + (f + 1) H / F, ...;
+  of about equal size, fragment f synced after steps (f + 1) H / F, H + (f + 1) H / F, ...
+  (the last of these left out when the run ends within H steps after it: the run's final
+  sync of every fragment takes its place, so a fragment syncs once per H steps at most);
   each sync's all-reduce runs while the group takes `tau` more steps, and its result is
   merged then: the fragment becomes the sync's result plus the group's own change since it
   sent (no step is lost; tau = 0 is the plain result).
@@ -49,10 +51,13 @@ class Outer:
                      if self.fragments > 1 or self.overlap else "")
         return f"{how}, sync_every={self.sync_every}{streaming}"
 
-    def due(self, steps: int) -> int | None:
-        """The fragment whose sync starts after the group's step `steps`, or None."""
+    def due(self, steps: int, num_steps: int) -> int | None:
+        """The fragment whose sync starts after the group's step `steps` of `num_steps`, or
+        None. None too when the run ends before that fragment's next sync: the run's final
+        sync, `sync_every` steps or fewer later, takes its place, so that each fragment syncs
+        at most once per `sync_every` steps, the end included."""
         stride = self.sync_every // self.fragments
-        if steps % stride:
+        if steps % stride or steps + self.sync_every > num_steps:
             return None
         return (steps // stride - 1) % self.fragments
 

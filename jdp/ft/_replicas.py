@@ -90,7 +90,8 @@ class Replicas(_syncs.Syncs):
         sync_every: None (default): the groups sum their gradients at every step. H: each
             group trains on its own for H steps, then the groups sync (`_outer`): LocalSGD,
             or DiLoCo with `outer`. A quorum, a heal and a discarded attempt happen at syncs
-            only; `num_steps` counts the group's own steps, and the last one syncs too.
+            only; `num_steps` counts the group's own steps, and the last one syncs too (in
+            place of a sync it would follow within H steps: at most one model sent per H).
         outer: with `sync_every`, DiLoCo's outer optimizer (any optax one, e.g.
             `optax.sgd(0.7, momentum=0.9, nesterov=True)`), applied to the groups' mean of
             `anchor - params`; None: LocalSGD (the parameters averaged).

@@ -32,8 +32,8 @@ class Syncs:
 
     def _rounds(self, turn: Any, num_steps: int) -> Iterator:
         """Semi-synchronous: the turn of each of the group's own steps, a sync after every
-        `sync_every` of them and after the last (in the step, `_own_step`); a quorum only at
-        a sync."""
+        `sync_every` of them and after the last (in the step, `_own_step`; `_outer.Outer.due`
+        says when); a quorum only at a sync."""
         self._begin()
         while self._inner < num_steps:
             yield self._batched(turn)
@@ -91,7 +91,7 @@ class Syncs:
             self._finish()
         if self._inner >= self._num_steps:
             self._final_syncs(0)
-        elif (fragment := self._outer.due(self._inner)) is not None:
+        elif (fragment := self._outer.due(self._inner, self._num_steps)) is not None:
             self._send(fragment, self._outer.overlap)
         return self._state, metrics
 

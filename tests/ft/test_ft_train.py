@@ -286,7 +286,7 @@ def test_an_overlapped_sync_takes_its_quorum_behind_the_steps_and_serves_a_whole
         filled.append((len(seen), threading.current_thread().name))
         return flatten(plan, tree)
     monkeypatch.setattr(_buffers.Buffers, "flatten", recording)
-    _, state = _run(replicas, form, 6)
+    _, state = _run(replicas, form, 8)
     assert torchft.behind == [True, True]
     # seen[0] is the warm-up's gradient: a send after step k fills before gradient k + 2
     sends = [(sent_at + 1, threading.main_thread().name)

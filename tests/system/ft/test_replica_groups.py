@@ -45,8 +45,9 @@ def test_a_group_in_one_call_and_one_step_by_step_train_together_as_one_device(
         assert check_against_replay(tmp_path, 2) == {s: [0, 1] for s in range(1, steps + 1)}
         return
     record = ft_replay.syncs([ft_replay.events(tmp_path / f"ev{g}.jsonl") for g in range(2)])
-    assert record == {1: ([0, 1], 0), **{c + 2: ([0, 1], min((c + 1) * 4, steps))
-                                         for c in range(4)}}
+    # the run's end (14) syncs in place of step 12's sync
+    assert record == {1: ([0, 1], 0), **{c + 2: ([0, 1], at)
+                                         for c, at in enumerate([4, 8, steps])}}
     want = ft_replay.replay_syncs(record, 2, BATCH, WIDTH, LR)
     finals = [np.load(tmp_path / f"p{g}.npz") for g in range(2)]
     for name, value in want.items():
