@@ -54,8 +54,8 @@ class Outer:
     def due(self, steps: int, num_steps: int) -> int | None:
         """The fragment whose sync starts after the group's step `steps` of `num_steps`, or
         None. None too when the run ends before that fragment's next sync: the run's final
-        sync, `sync_every` steps or fewer later, takes its place, so that each fragment syncs
-        at most once per `sync_every` steps, the end included."""
+        sync, fewer than `sync_every` steps later, takes its place, so that each fragment
+        syncs at most once per `sync_every` steps, the end included."""
         stride = self.sync_every // self.fragments
         if steps % stride or steps + self.sync_every > num_steps:
             return None
